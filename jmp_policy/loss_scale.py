@@ -1,0 +1,422 @@
+"""Loss scales as pure pytree state: no-op, static and dynamic.
+
+Multiply the loss by S before differentiating so small float16 gradients do
+not flush to zero, divide the gradients by the same S, check them, and adjust
+S: grow it after `period` clean steps, shrink it when a step overflows.
+
+Every class is a frozen dataclass registered with
+`jax.tree_util.register_dataclass`: values that change per step are leaves,
+configuration is static metadata, so everything survives `jit`, `tree_map`
+and checkpoints with no hand-written flatten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from typing import Any, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+T = TypeVar("T")
+
+# The floor below which a scale may never go, whatever `min_loss_scale` says:
+# a zero scale would turn every unscaled gradient into inf or NaN.
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def _at_least_float32(x: jax.Array) -> jax.Array:
+    # float16 * 2**16 overflows and float16 / 2**16 underflows; float64 stays.
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _scale_floating(tree: T, scale: Any) -> T:
+    return jax.tree.map(lambda x: _at_least_float32(x) * scale if _floating(x) else x, tree)
+
+
+def _unscale_floating(tree: T, scale: Any) -> T:
+    # Division rather than multiplication by 1/S: exactly rounded, and 1/S can
+    # be a denormal that CPUs flush to zero.
+    return jax.tree.map(lambda x: _at_least_float32(x) / scale if _floating(x) else x, tree)
+
+
+def _positive_number(value: Any, argument: str, *, allow_zero: bool = False) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (numbers.Real, np.ndarray, np.generic, jax.Array)
+    ):
+        raise TypeError(f"Expected a positive finite number for `{argument}`, got {value!r}.")
+    if isinstance(value, (np.ndarray, jax.Array)) and value.shape != ():
+        raise TypeError(
+            f"Expected a scalar for `{argument}`, got an array of shape {value.shape}."
+        )
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"Expected a concrete number for `{argument}` (it is static configuration), "
+            "got a traced value: build the loss scale outside `jit`."
+        )
+    if hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.number):
+        raise TypeError(f"Expected a real number for `{argument}`, got dtype {value.dtype}.")
+    number = float(value)
+    low_ok = number >= 0 if allow_zero else number > 0
+    if not (low_ok and math.isfinite(number)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"Expected a finite number {bound} for `{argument}`, got {number}.")
+    return number
+
+
+def _scale_leaf(value: Any, argument: str) -> Any:
+    """Checks and converts a loss-scale leaf to float32.
+
+    Leaves are also rebuilt by JAX itself (unflatten with tracers, abstract
+    values or placeholder objects), so only Python and NumPy values are checked
+    by value; JAX arrays are checked by dtype and shape alone, which never waits
+    on the device.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"Expected a positive float for `{argument}`, got {value!r}.")
+    if isinstance(value, numbers.Real) or isinstance(value, (np.ndarray, np.generic)):
+        if hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.floating):
+            raise TypeError(
+                f"Expected a floating array (float32) or a Python number for `{argument}`, "
+                f"got an array of dtype {value.dtype}. Python numbers are converted for you."
+            )
+        number = _positive_number(value, argument)
+        return np.asarray(number, np.float32)
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "shape"):
+        return value  # A placeholder JAX uses while rebuilding the tree.
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"Expected a floating array (float32) or a Python number for `{argument}`, "
+            f"got an array of dtype {dtype}. Python numbers are converted for you."
+        )
+    if value.shape != ():
+        raise TypeError(f"Expected a scalar for `{argument}`, got shape {value.shape}.")
+    if isinstance(value, jax.Array) and dtype != jnp.float32:
+        return value.astype(jnp.float32)
+    return value
+
+
+def _int_leaf(value: Any, argument: str) -> Any:
+    if isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, bool):
+        return np.asarray(value, np.int32)
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"Expected an int32 scalar for `{argument}`, got dtype {dtype}.")
+    return value
+
+
+def _check_flag(grads_finite: Any, argument: str = "grads_finite") -> jax.Array:
+    if isinstance(grads_finite, bool):
+        return jnp.asarray(grads_finite)
+    shape = getattr(grads_finite, "shape", None)
+    dtype = getattr(grads_finite, "dtype", None)
+    if shape != () or dtype != jnp.bool_:
+        got = f"shape {shape}, dtype {dtype}" if dtype is not None else repr(grads_finite)
+        raise TypeError(
+            f"Expected a scalar boolean (e.g. from `all_finite`) for `{argument}`, got {got}."
+        )
+    return grads_finite
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale:
+    """A loss scale that does nothing: for float32 and bfloat16 training.
+
+    Examples:
+      >>> import jmp_policy as jmp
+      >>> loss_scale = jmp.NoOpLossScale()
+      >>> loss_scale.scale(2.0)
+      2.0
+    """
+
+    @property
+    def loss_scale(self) -> np.ndarray:
+        return np.asarray(1.0, np.float32)
+
+    def scale(self, tree: T) -> T:
+        """Returns `tree` unchanged."""
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        """Returns `tree` unchanged."""
+        return tree
+
+    def adjust(self, grads_finite: Any) -> NoOpLossScale:
+        """Returns `self` (the flag is checked, then ignored)."""
+        _check_flag(grads_finite)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+    """Scales and unscales by a fixed constant.
+
+    The constant is static configuration (a Python float), so this state has no
+    array leaves; a different constant compiles a different program.
+
+    Attributes:
+      loss_scale: the constant S > 0. Python numbers and NumPy scalars are
+        accepted; powers of two keep scaling exact.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> loss_scale = jmp.StaticLossScale(2**10)
+      >>> loss_scale.scale(jnp.float16(60_000.0)).dtype  # scaled in float32
+      dtype('float32')
+    """
+
+    loss_scale: float = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self):
+        object.__setattr__(self, "loss_scale", _positive_number(self.loss_scale, "loss_scale"))
+
+    def scale(self, tree: T) -> T:
+        """Multiplies the floating leaves of `tree` by S, in at least float32."""
+        return _scale_floating(tree, np.float32(self.loss_scale))
+
+    def unscale(self, tree: T) -> T:
+        """Divides the floating leaves of `tree` by S, in at least float32."""
+        return _unscale_floating(tree, np.float32(self.loss_scale))
+
+    def adjust(self, grads_finite: Any) -> StaticLossScale:
+        """Returns `self` (the flag is checked, then ignored)."""
+        _check_flag(grads_finite)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """A loss scale that grows while gradients stay finite and shrinks when not.
+
+    The rule (torch.amp's GradScaler and jmp, for a scale S and counter c):
+
+        if grads_finite:
+            c += 1
+            if c == period (or every step while warming up):
+                S = min(S * factor, max_loss_scale) unless that is inf; c = 0
+        else:
+            c = 0
+            if this is the `hysteresis`-th consecutive non-finite step or later:
+                S = max(S * backoff_factor, min_loss_scale)
+
+    The caller skips the parameter update on every non-finite step.
+
+    Attributes:
+      loss_scale: the current scale S (float32 leaf). Python numbers are
+        converted; `2**15` (jmp) or `2**16` (torch.amp) are usual.
+      counter: consecutive finite steps since the last change (int32 leaf).
+      period: grow S on the `period`-th consecutive finite step.
+      factor: the growth factor (> 1).
+      min_loss_scale: the floor for S (>= 0; S never goes below float32's
+        smallest normal number either).
+      backoff_factor: multiplies S on a non-finite step, in (0, 1); default
+        `1 / factor`.
+      max_loss_scale: the cap for S; default none (S still never becomes inf).
+        The source guide suggests `2**24`.
+      hysteresis: back off only from the `hysteresis`-th consecutive non-finite
+        step on (Megatron's and Apex's option); every non-finite step is still
+        skipped. 1 backs off at once.
+      warmup: grow S after every finite step until the first non-finite one,
+        then follow `period`. Start low (e.g. `DynamicLossScale(1.0,
+        warmup=True)`) and the safe scale is found in log2(S_safe) steps with a
+        single skipped step, instead of many skipped steps backing off from
+        2**16.
+      nonfinite_run: consecutive non-finite steps, saturating at `hysteresis`
+        (int32 leaf; None when `hysteresis == 1`).
+      warming_up: whether warm-up is still on (bool leaf; None without warm-up).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> loss_scale = jmp.DynamicLossScale(8.0, period=3)
+      >>> for finite in [True, True, True, False]:
+      ...     loss_scale = loss_scale.adjust(jnp.asarray(finite))
+      ...     print(float(loss_scale.loss_scale))
+      8.0
+      8.0
+      16.0
+      8.0
+    """
+
+    loss_scale: Any
+    counter: Any = 0
+    period: int = dataclasses.field(default=2000, metadata=dict(static=True))
+    factor: float = dataclasses.field(default=2.0, metadata=dict(static=True))
+    min_loss_scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
+    _: dataclasses.KW_ONLY
+    backoff_factor: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+    max_loss_scale: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+    hysteresis: int = dataclasses.field(default=1, metadata=dict(static=True))
+    warmup: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    nonfinite_run: Any = None
+    warming_up: Any = None
+
+    def __post_init__(self):
+        setattr_ = functools.partial(object.__setattr__, self)
+        setattr_("loss_scale", _scale_leaf(self.loss_scale, "loss_scale"))
+        setattr_("counter", _int_leaf(self.counter, "counter"))
+        setattr_("period", _whole_number(self.period, "period", low=1))
+        setattr_("factor", _positive_number(self.factor, "factor"))
+        if self.factor <= 1:
+            raise ValueError(f"Expected a number > 1 for `factor`, got {self.factor}.")
+        setattr_(
+            "min_loss_scale",
+            _positive_number(self.min_loss_scale, "min_loss_scale", allow_zero=True),
+        )
+        backoff = 1.0 / self.factor if self.backoff_factor is None else self.backoff_factor
+        backoff = _positive_number(backoff, "backoff_factor")
+        if not backoff < 1:
+            raise ValueError(f"Expected a number in (0, 1) for `backoff_factor`, got {backoff}.")
+        setattr_("backoff_factor", backoff)
+        cap = math.inf if self.max_loss_scale is None else self.max_loss_scale
+        if cap != math.inf:
+            cap = _positive_number(cap, "max_loss_scale")
+        if cap < self.min_loss_scale:
+            raise ValueError(
+                f"Expected `min_loss_scale` <= `max_loss_scale`, got {self.min_loss_scale} > {cap}."
+            )
+        setattr_("max_loss_scale", cap)
+        setattr_("hysteresis", _whole_number(self.hysteresis, "hysteresis", low=1))
+        if not isinstance(self.warmup, (bool, np.bool_)):
+            raise TypeError(f"Expected True or False for `warmup`, got {self.warmup!r}.")
+        setattr_("warmup", bool(self.warmup))
+        # Optional leaves exist only when their feature is on, so the default
+        # state has exactly jmp's leaves (loss_scale, counter).
+        run = None
+        if self.hysteresis > 1:
+            run = 0 if self.nonfinite_run is None else self.nonfinite_run
+            run = _int_leaf(run, "nonfinite_run")
+        setattr_("nonfinite_run", run)
+        warming = None
+        if self.warmup:
+            warming = np.asarray(True) if self.warming_up is None else self.warming_up
+        setattr_("warming_up", warming)
+
+    def scale(self, tree: T) -> T:
+        """Multiplies the floating leaves of `tree` by S, in at least float32."""
+        return _scale_floating(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        """Divides the floating leaves of `tree` by S, in at least float32."""
+        return _unscale_floating(tree, self.loss_scale)
+
+    def adjust(self, grads_finite: Any) -> DynamicLossScale:
+        """Returns the next state given whether this step's gradients were finite.
+
+        Args:
+          grads_finite: a scalar bool, e.g. `all_finite(grads)`.
+
+        Returns:
+          The adjusted `DynamicLossScale`; pure, so it runs under `jit`.
+        """
+        finite = _check_flag(grads_finite)
+        scale = jnp.asarray(self.loss_scale, jnp.float32)
+        counter = jnp.asarray(self.counter, jnp.int32) + 1
+        grow = counter >= self.period
+        if self.warmup:
+            grow = grow | self.warming_up
+        grown = scale * self.factor
+        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), scale)
+
+        backoff = ~finite
+        run = None
+        if self.hysteresis > 1:
+            run = jnp.where(finite, 0, jnp.minimum(self.nonfinite_run + 1, self.hysteresis))
+            backoff = backoff & (run >= self.hysteresis)
+        floor = max(self.min_loss_scale, _TINY)
+        shrunk = jnp.maximum(scale * self.backoff_factor, floor)
+
+        new_scale = jnp.where(finite & grow, grown, jnp.where(backoff, shrunk, scale))
+        new_counter = jnp.where(finite & ~grow, counter, 0)
+        changes = dict(loss_scale=new_scale, counter=new_counter, nonfinite_run=run)
+        if self.warmup:
+            changes["warming_up"] = self.warming_up & finite
+        return _rebuild(self, **changes)
+
+
+def _whole_number(value: Any, argument: str, *, low: int) -> int:
+    integral = isinstance(value, (numbers.Integral, np.integer)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    if isinstance(value, bool) or not integral:
+        raise TypeError(f"Expected an integer >= {low} for `{argument}`, got {value!r}.")
+    if int(value) < low:
+        raise ValueError(f"Expected an integer >= {low} for `{argument}`, got {value}.")
+    return int(value)
+
+
+def _rebuild(state: T, **changes) -> T:
+    # `adjust` makes values that are valid by construction: skip `__post_init__`
+    # so an eager step never waits on the device to validate them.
+    new = object.__new__(type(state))
+    for field in dataclasses.fields(state):
+        object.__setattr__(new, field.name, changes.get(field.name, getattr(state, field.name)))
+    return new
+
+
+for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
+    jax.tree_util.register_dataclass(_cls)
+
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+    """Returns a scalar bool: whether every floating leaf of `tree` is finite.
+
+    One reduction per leaf and one over their results, fused by XLA: each leaf
+    contributes `sum(x * 0)`, which is NaN exactly when the leaf holds an inf
+    or a NaN (a plain sum could overflow from finite values). Non-floating
+    leaves are ignored; an empty tree is finite.
+
+    Args:
+      tree: any pytree.
+      axis_name: a mapped axis name (or tuple of names) of `pmap`/`shard_map`;
+        when given, the result is True only if it is True on every device, so
+        all replicas take the same decision.
+
+    Returns:
+      A scalar bool array.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> bool(jmp.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+      False
+      >>> bool(jmp.all_finite({"step": jnp.int32(3)}))
+      True
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if _floating(x)]
+    if leaves:
+        total = jnp.stack([jnp.sum(x * 0, dtype=jnp.float32) for x in leaves]).sum()
+        finite = jnp.isfinite(total)
+    else:
+        finite = jnp.asarray(True)
+    if axis_name is not None:
+        finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
+
+
+def select_tree(pred: Any, a: T, b: T) -> T:
+    """Returns `a` where the scalar bool `pred` is True, else `b`, leaf by leaf.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> jmp.select_tree(jnp.asarray(False), {"x": jnp.ones(2)}, {"x": jnp.zeros(2)})
+      {'x': Array([0., 0.], dtype=float32)}
+    """
+    pred = _check_flag(pred, "pred")
+    return jax.tree.map(functools.partial(lax.select, pred), a, b)

@@ -1,0 +1,260 @@
+"""Precision policies: which dtype parameters, computation and outputs use.
+
+A `Policy` is a small, frozen, hashable value (usable as a static `jit`
+argument). Its `cast_to_*` methods cast the floating leaves of any pytree and
+leave everything else (integers, bools, PRNG keys, None, Python objects) alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+# Short names accepted by jmp's grammar, plus the full NumPy names. "half" is
+# resolved per backend by `half_dtype()`, so it is handled separately.
+_DTYPE_ALIASES = {
+    "full": "float32",
+    "f32": "float32",
+    "float32": "float32",
+    "f16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "f64": "float64",
+    "float64": "float64",
+}
+_KEY_ALIASES = {
+    "p": "params",
+    "params": "params",
+    "c": "compute",
+    "compute": "compute",
+    "o": "output",
+    "output": "output",
+}
+_PRESETS = ("mixed_float16", "mixed_bfloat16")
+
+
+def half_dtype() -> np.dtype:
+    """Returns the half-precision dtype for the current default backend.
+
+    bfloat16 on TPU (which has no fast float16), float16 elsewhere.
+
+    Examples:
+      >>> import jmp_policy as jmp
+      >>> jmp.half_dtype()  # on a CPU or GPU
+      dtype('float16')
+    """
+    on_tpu = jax.local_devices()[0].platform == "tpu"
+    return np.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
+
+
+def _normalise_dtype(value: Any, argument: str) -> np.dtype:
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(
+            f"Expected a floating dtype (float16, bfloat16, float32, float64) for "
+            f"`{argument}`, got {value!r}."
+        ) from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"Expected a floating dtype (float16, bfloat16, float32, float64) for "
+            f"`{argument}`, got {dtype.name}: a policy only ever casts floating values."
+        )
+    return dtype
+
+
+def _is_floating_array(x: Any) -> bool:
+    # Tracers are jax.Array instances, so this covers traced values too.
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def _cast_floating(tree: T, dtype: np.dtype) -> T:
+    def cast(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+                return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+            return x
+        if _is_floating_array(x) and x.dtype != dtype:
+            return x.astype(dtype)
+        # Already the target dtype: returned as is, so no convert op is traced.
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtype parameters, computation and outputs use.
+
+    Attributes:
+      param_dtype: the dtype parameters are stored in (the master weights).
+      compute_dtype: the dtype of the computation (matmuls, activations).
+      output_dtype: the dtype the model's outputs are returned in.
+
+    Dtypes are normalised to `numpy.dtype`, so `Policy(jnp.float16, ...)`,
+    `Policy(np.float16, ...)` and `Policy("float16", ...)` are equal and hash
+    alike. Only floating dtypes are accepted.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> policy = jmp.Policy(jnp.float32, jnp.float16, jnp.float32)
+      >>> print(policy)
+      params=float32,compute=float16,output=float32
+      >>> policy.cast_to_compute({"w": jnp.ones(2), "step": 3})["w"].dtype
+      dtype('float16')
+    """
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = _normalise_dtype(getattr(self, field.name), field.name)
+            object.__setattr__(self, field.name, value)
+
+    def cast_to_param(self, tree: T) -> T:
+        """Casts the floating leaves of `tree` to `param_dtype`."""
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Casts the floating leaves of `tree` to `compute_dtype`."""
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: T) -> T:
+        """Casts the floating leaves of `tree` to `output_dtype`."""
+        return _cast_floating(tree, self.output_dtype)
+
+    def with_param_dtype(self, param_dtype: Any) -> Policy:
+        """Returns a copy of this policy with another `param_dtype`."""
+        return dataclasses.replace(self, param_dtype=param_dtype)
+
+    def with_compute_dtype(self, compute_dtype: Any) -> Policy:
+        """Returns a copy of this policy with another `compute_dtype`."""
+        return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> Policy:
+        """Returns a copy of this policy with another `output_dtype`."""
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    def __str__(self) -> str:
+        return (
+            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}"
+        )
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _parse_dtype(value: str, policy_name: str) -> np.dtype:
+    value = value.strip()
+    if value == "half":
+        return half_dtype()
+    if value in _DTYPE_ALIASES:
+        return np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
+    try:
+        # Any other floating dtype name JAX knows (e.g. float8_e4m3fn), so that
+        # `str(policy)` round-trips for every policy.
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        return dtype
+    accepted = ", ".join(["half", *_DTYPE_ALIASES])
+    raise ValueError(
+        f"Unknown dtype {value!r} in `policy_name` {policy_name!r}: expected one of "
+        f"{accepted}.{_suggest(value, ['half', *_DTYPE_ALIASES])}"
+    )
+
+
+def get_policy(policy_name: str) -> Policy:
+    """Parses a policy from a string.
+
+    Accepts jmp's grammar: comma-separated `key=dtype` pairs with keys `params`
+    (`p`), `compute` (`c`) and `output` (`o`), and dtypes `full`, `half`, `f32`,
+    `float32`, `f16`, `float16`, `bf16`, `bfloat16`, `f64`, `float64`. Missing
+    keys default to params=float32, compute=params, output=compute. A lone
+    dtype name sets all three. Keras' presets `mixed_float16` and
+    `mixed_bfloat16` mean float32 params and outputs with half compute.
+
+    Args:
+      policy_name: the policy string, e.g. "params=float32,compute=float16".
+
+    Returns:
+      The `Policy`.
+
+    Raises:
+      TypeError: `policy_name` is not a string.
+      ValueError: unknown key or dtype, a key given twice, or a malformed pair.
+
+    Examples:
+      >>> import jmp_policy as jmp
+      >>> print(jmp.get_policy("c=bf16, o=f32"))
+      params=float32,compute=bfloat16,output=float32
+      >>> print(jmp.get_policy("mixed_float16"))
+      params=float32,compute=float16,output=float32
+    """
+    if not isinstance(policy_name, str):
+        raise TypeError(
+            f"Expected a string such as 'params=float32,compute=float16' or "
+            f"'mixed_float16' for `policy_name`, got {type(policy_name).__name__}."
+        )
+    name = policy_name.strip()
+    if name in _PRESETS:
+        half = np.dtype(jnp.dtype(name.removeprefix("mixed_")))
+        return Policy(np.float32, half, np.float32)
+    if "=" not in name:
+        if not name:
+            raise ValueError(
+                "Expected a dtype, a preset or 'key=dtype' pairs for `policy_name`, "
+                "got an empty string."
+            )
+        dtype = _parse_dtype(name, policy_name)
+        return Policy(dtype, dtype, dtype)
+
+    chosen: dict[str, np.dtype] = {}
+    for part in name.split(","):
+        pieces = part.split("=")
+        if len(pieces) != 2:
+            raise ValueError(
+                f"Expected comma-separated 'key=dtype' pairs for `policy_name`, got "
+                f"{part.strip()!r} in {policy_name!r}."
+            )
+        key, value = pieces[0].strip(), pieces[1]
+        if key not in _KEY_ALIASES:
+            raise ValueError(
+                f"Unknown key {key!r} in `policy_name` {policy_name!r}: expected one of "
+                f"params (p), compute (c), output (o).{_suggest(key, _KEY_ALIASES)}"
+            )
+        key = _KEY_ALIASES[key]
+        if key in chosen:
+            raise ValueError(f"Key {key!r} is given twice in `policy_name` {policy_name!r}.")
+        chosen[key] = _parse_dtype(value, policy_name)
+    params = chosen.get("params", np.dtype(np.float32))
+    compute = chosen.get("compute", params)
+    output = chosen.get("output", compute)
+    return Policy(params, compute, output)
+
+
+def cast_to_full(tree: T) -> T:
+    """Casts the floating leaves of `tree` to float32."""
+    return _cast_floating(tree, np.dtype(np.float32))
+
+
+def cast_to_half(tree: T) -> T:
+    """Casts the floating leaves of `tree` to `half_dtype()`."""
+    return _cast_floating(tree, half_dtype())
