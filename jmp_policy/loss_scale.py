@@ -16,8 +16,9 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +39,8 @@ def _floating(x: Any) -> bool:
 
 def _at_least_float32(x: jax.Array) -> jax.Array:
     # float16 * 2**16 overflows and float16 / 2**16 underflows; float64 stays.
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    # (Not `promote_types`: it refuses float16 -> float32 under strict promotion.)
+    return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
 
 
 def _scale_floating(tree: T, scale: Any) -> T:
@@ -57,16 +59,17 @@ def _positive_number(value: Any, argument: str, *, allow_zero: bool = False) -> 
     ):
         raise TypeError(f"Expected a positive finite number for `{argument}`, got {value!r}.")
     if isinstance(value, (np.ndarray, jax.Array)) and value.shape != ():
-        raise TypeError(
-            f"Expected a scalar for `{argument}`, got an array of shape {value.shape}."
-        )
+        raise TypeError(f"Expected a scalar for `{argument}`, got an array of shape {value.shape}.")
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"Expected a concrete number for `{argument}` (it is static configuration), "
             "got a traced value: build the loss scale outside `jit`."
         )
-    if hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.number):
-        raise TypeError(f"Expected a real number for `{argument}`, got dtype {value.dtype}.")
+    if hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(
+            f"Expected a Python number or a floating scalar for `{argument}`, got dtype "
+            f"{value.dtype}."
+        )
     number = float(value)
     low_ok = number >= 0 if allow_zero else number > 0
     if not (low_ok and math.isfinite(number)):
@@ -92,7 +95,9 @@ def _scale_leaf(value: Any, argument: str) -> Any:
                 f"got an array of dtype {value.dtype}. Python numbers are converted for you."
             )
         number = _positive_number(value, argument)
-        return np.asarray(number, np.float32)
+        # A JAX array from the start: a jitted step then sees the same argument
+        # types on its first and later calls, and compiles once.
+        return jnp.asarray(number, jnp.float32)
     dtype = getattr(value, "dtype", None)
     if dtype is None or not hasattr(value, "shape"):
         return value  # A placeholder JAX uses while rebuilding the tree.
@@ -110,7 +115,7 @@ def _scale_leaf(value: Any, argument: str) -> Any:
 
 def _int_leaf(value: Any, argument: str) -> Any:
     if isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, bool):
-        return np.asarray(value, np.int32)
+        return jnp.asarray(value, jnp.int32)
     dtype = getattr(value, "dtype", None)
     if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"Expected an int32 scalar for `{argument}`, got dtype {dtype}.")
@@ -302,7 +307,7 @@ class DynamicLossScale:
         setattr_("nonfinite_run", run)
         warming = None
         if self.warmup:
-            warming = np.asarray(True) if self.warming_up is None else self.warming_up
+            warming = jnp.asarray(True) if self.warming_up is None else self.warming_up
         setattr_("warming_up", warming)
 
     def scale(self, tree: T) -> T:
@@ -367,10 +372,33 @@ def _rebuild(state: T, **changes) -> T:
     return new
 
 
+def _leaf_fields(state) -> list[str]:
+    return [f.name for f in dataclasses.fields(state) if not f.metadata.get("static")]
+
+
+def _to_state_dict(state) -> dict[str, Any]:
+    return {
+        name: flax.serialization.to_state_dict(getattr(state, name))
+        for name in _leaf_fields(state)
+        if getattr(state, name) is not None
+    }
+
+
+def _from_state_dict(target: T, state_dict: dict[str, Any]) -> T:
+    # Configuration comes from `target`; only per-step values are restored.
+    restored = {
+        name: flax.serialization.from_state_dict(getattr(target, name), state_dict[name], name)
+        for name in _leaf_fields(target)
+        if getattr(target, name) is not None
+    }
+    return _rebuild(target, **restored)
+
+
 for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
     jax.tree_util.register_dataclass(_cls)
+    flax.serialization.register_serialization_state(_cls, _to_state_dict, _from_state_dict)
 
-LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:

@@ -98,7 +98,10 @@ def test_cast_to_same_dtype_adds_no_convert():
 
 def test_cast_shape_dtype_struct():
     policy = jmp.get_policy("mixed_bfloat16")
-    spec = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "i": jax.ShapeDtypeStruct((2,), jnp.int32)}
+    spec = {
+        "w": jax.ShapeDtypeStruct((2, 3), jnp.float32),
+        "i": jax.ShapeDtypeStruct((2,), jnp.int32),
+    }
     out = policy.cast_to_compute(spec)
     assert out["w"] == jax.ShapeDtypeStruct((2, 3), BF16)
     assert out["i"] is spec["i"]
@@ -201,8 +204,12 @@ def test_str_round_trips(policy):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.dictionaries(st.sampled_from(["params", "p", "compute", "c", "output", "o"]),
-                    st.sampled_from(DTYPE_NAMES), min_size=1, max_size=3),
+    st.dictionaries(
+        st.sampled_from(["params", "p", "compute", "c", "output", "o"]),
+        st.sampled_from(DTYPE_NAMES),
+        min_size=1,
+        max_size=3,
+    ),
     st.sampled_from(["", " "]),
 )
 def test_parse_grammar_defaults(pairs, space):
@@ -215,8 +222,16 @@ def test_parse_grammar_defaults(pairs, space):
             jmp.get_policy(text)
         return
     policy = jmp.get_policy(text)
-    names = {"full": F32, "f32": F32, "float32": F32, "f16": F16, "float16": F16,
-             "bf16": BF16, "bfloat16": BF16, "half": jmp.half_dtype()}
+    names = {
+        "full": F32,
+        "f32": F32,
+        "float32": F32,
+        "f16": F16,
+        "float16": F16,
+        "bf16": BF16,
+        "bfloat16": BF16,
+        "half": jmp.half_dtype(),
+    }
     p = names[canonical["p"]] if "p" in canonical else F32
     c = names[canonical["c"]] if "c" in canonical else p
     o = names[canonical["o"]] if "o" in canonical else c
@@ -226,8 +241,11 @@ def test_parse_grammar_defaults(pairs, space):
 leaf_dtypes = st.sampled_from(["float16", "bfloat16", "float32", "int32", "int8", "bool", "uint32"])
 leaves = st.one_of(
     st.tuples(leaf_dtypes, st.integers(0, 3), st.booleans()).map(
-        lambda t: (np.zeros((t[1],), dtype=jnp.dtype(t[0])) if t[2]
-                   else jnp.zeros((t[1],), dtype=jnp.dtype(t[0])))
+        lambda t: (
+            np.zeros((t[1],), dtype=jnp.dtype(t[0]))
+            if t[2]
+            else jnp.zeros((t[1],), dtype=jnp.dtype(t[0]))
+        )
     ),
     st.none(),
     st.integers(-3, 3),
@@ -250,8 +268,10 @@ trees = st.recursive(
 def test_cast_property(tree, dtype):
     out = jmp.Policy(dtype, dtype, dtype).cast_to_compute(tree)
     assert jax.tree.structure(out) == jax.tree.structure(tree)
-    for before, after in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):
-        if isinstance(before, (jax.Array, np.ndarray)) and jnp.issubdtype(before.dtype, jnp.floating):
+    for before, after in zip(jax.tree.leaves(tree), jax.tree.leaves(out), strict=True):
+        if isinstance(before, (jax.Array, np.ndarray)) and jnp.issubdtype(
+            before.dtype, jnp.floating
+        ):
             assert after.dtype == dtype and after.shape == before.shape
             assert type(after) is type(before) or isinstance(after, jax.Array)
             if before.dtype == dtype:

@@ -1,0 +1,36 @@
+"""Examples and benchmarks run in a fast mode, so they cannot rot."""
+
+import importlib.util
+import pathlib
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load(relative: str):
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def strict_dtype_promotion():
+    # Examples are user code: they run under JAX's default promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def test_quickstart_learns():
+    final_loss = load("examples/quickstart.py").main(["--steps", "150"])
+    assert final_loss < 0.05
+
+
+def test_all_finite_benchmark_runs():
+    text = load("benchmarks/bench_all_finite.py").main(
+        ["--size", "100000", "--leaves", "100", "--rounds", "1"]
+    )
+    assert "jmp_policy.all_finite" in text and "x |" in text
