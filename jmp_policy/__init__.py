@@ -4,28 +4,52 @@ A drop-in for jmp (`import jmp_policy as jmp`), plus loss scaling as an optax
 transform, Flax integration, autocast and diagnostics.
 """
 
+from jmp_policy.diagnostics import (
+    LossScalingReport,
+    NonFiniteLossError,
+    check_loss_scaling,
+    loss_scaling_report,
+    nonfinite_paths,
+)
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
     all_finite,
+    leaf_finite_flags,
     select_tree,
 )
 from jmp_policy.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
+from jmp_policy.transform import (
+    LossScalingState,
+    find_loss_scaling_state,
+    get_loss_scale,
+    loss_scaling,
+)
 
 __version__ = "0.1.0"
 
 __all__ = (
     "DynamicLossScale",
     "LossScale",
+    "LossScalingReport",
+    "LossScalingState",
+    "NonFiniteLossError",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
     "all_finite",
     "cast_to_full",
+    "check_loss_scaling",
     "cast_to_half",
+    "find_loss_scaling_state",
+    "get_loss_scale",
     "get_policy",
     "half_dtype",
+    "leaf_finite_flags",
+    "loss_scaling",
+    "loss_scaling_report",
+    "nonfinite_paths",
     "select_tree",
 )

@@ -299,16 +299,15 @@ class DynamicLossScale:
             raise TypeError(f"Expected True or False for `warmup`, got {self.warmup!r}.")
         setattr_("warmup", bool(self.warmup))
         # Optional leaves exist only when their feature is on, so the default
-        # state has exactly jmp's leaves (loss_scale, counter).
-        run = None
-        if self.hysteresis > 1:
-            run = 0 if self.nonfinite_run is None else self.nonfinite_run
-            run = _int_leaf(run, "nonfinite_run")
-        setattr_("nonfinite_run", run)
-        warming = None
-        if self.warmup:
-            warming = jnp.asarray(True) if self.warming_up is None else self.warming_up
-        setattr_("warming_up", warming)
+        # state has exactly jmp's leaves (loss_scale, counter). A value given
+        # for them is kept as is: tree maps that treat None as a leaf (orbax
+        # does) rebuild the state with other values there.
+        if self.hysteresis > 1 and self.nonfinite_run is None:
+            setattr_("nonfinite_run", jnp.zeros((), jnp.int32))
+        else:
+            setattr_("nonfinite_run", _int_leaf(self.nonfinite_run, "nonfinite_run"))
+        if self.warmup and self.warming_up is None:
+            setattr_("warming_up", jnp.asarray(True))
 
     def scale(self, tree: T) -> T:
         """Multiplies the floating leaves of `tree` by S, in at least float32."""
@@ -346,7 +345,9 @@ class DynamicLossScale:
 
         new_scale = jnp.where(finite & grow, grown, jnp.where(backoff, shrunk, scale))
         new_counter = jnp.where(finite & ~grow, counter, 0)
-        changes = dict(loss_scale=new_scale, counter=new_counter, nonfinite_run=run)
+        changes = dict(loss_scale=new_scale, counter=new_counter)
+        if self.hysteresis > 1:
+            changes["nonfinite_run"] = run
         if self.warmup:
             changes["warming_up"] = self.warming_up & finite
         return _rebuild(self, **changes)
@@ -404,9 +405,9 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """Returns a scalar bool: whether every floating leaf of `tree` is finite.
 
-    One reduction per leaf and one over their results, fused by XLA: each leaf
-    contributes `sum(x * 0)`, which is NaN exactly when the leaf holds an inf
-    or a NaN (a plain sum could overflow from finite values). Non-floating
+    One reduction per leaf and one over their results: each leaf contributes
+    `sum(x * 0)`, which is NaN exactly when the leaf holds an inf or a NaN (a
+    plain sum could overflow from finite values). Non-floating
     leaves are ignored; an empty tree is finite.
 
     Args:
@@ -427,14 +428,41 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
       True
     """
     leaves = [x for x in jax.tree.leaves(tree) if _floating(x)]
-    if leaves:
-        total = jnp.stack([jnp.sum(x * 0, dtype=jnp.float32) for x in leaves]).sum()
-        finite = jnp.isfinite(total)
-    else:
-        finite = jnp.asarray(True)
-    if axis_name is not None:
-        finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return finite
+    finite = jnp.isfinite(_nan_sums(leaves).sum()) if leaves else jnp.asarray(True)
+    return _agree(finite, axis_name)
+
+
+def _nan_sums(leaves: list) -> jax.Array:
+    # x * 0 is NaN exactly where x is inf or NaN; XLA fuses it into the sum.
+    return jnp.stack([jnp.sum(x * 0, dtype=jnp.float32) for x in leaves])
+
+
+def _agree(finite: jax.Array, axis_name: Any) -> jax.Array:
+    if axis_name is None:
+        return finite
+    return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+
+def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
+    """Returns `tree` with a scalar bool at every leaf: whether that leaf is finite.
+
+    Non-floating leaves are True. Costs the same single pass as `all_finite`;
+    with `axis_name` the flags are agreed across devices in one collective.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> jmp.leaf_finite_flags({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
+      {'a': Array(True, dtype=bool), 'b': Array(False, dtype=bool)}
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    positions = [i for i, x in enumerate(leaves) if _floating(x)]
+    flags = [jnp.asarray(True)] * len(leaves)
+    if positions:
+        ok = _agree(jnp.isfinite(_nan_sums([leaves[i] for i in positions])), axis_name)
+        for j, i in enumerate(positions):
+            flags[i] = ok[j]
+    return jax.tree.unflatten(treedef, flags)
 
 
 def select_tree(pred: Any, a: T, b: T) -> T:

@@ -2,14 +2,23 @@
 
 An accidental float32 promotion is exactly the bug this library exists to
 prevent, so every test runs with `jax_numpy_dtype_promotion="strict"`; the
-global setting is restored afterwards.
+global setting is restored afterwards. Tests that run third-party code which
+relies on standard promotion (optax's Adam bias correction and schedules mix
+float and int32) are marked `standard_promotion`.
 """
 
 import jax
 import pytest
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "standard_promotion: run under JAX's default (standard) dtype promotion"
+    )
+
+
 @pytest.fixture(autouse=True)
-def strict_dtype_promotion():
-    with jax.numpy_dtype_promotion("strict"):
+def strict_dtype_promotion(request):
+    mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
+    with jax.numpy_dtype_promotion(mode):
         yield

@@ -1,0 +1,159 @@
+"""Host-side answers to "why did my loss go NaN / why does it keep skipping?".
+
+These read a `loss_scaling` state after a step (they wait for the device, so
+call them every N steps, e.g. when you log), never inside a jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jmp_policy.loss_scale import DynamicLossScale
+from jmp_policy.transform import find_loss_scaling_state
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training keeps skipping steps: the loss or the data is not finite."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScalingReport:
+    """A host-side snapshot of a `loss_scaling` state.
+
+    Attributes:
+      loss_scale: the current scale S.
+      applied_steps: steps applied so far.
+      skipped_steps: steps skipped so far (non-finite gradients).
+      nonfinite_run: the current run of consecutive skipped steps.
+      last_step_skipped: whether the latest step was skipped.
+      at_floor: whether S is at its floor (`min_loss_scale`); a skip there
+        cannot be cured by a smaller scale.
+      nonfinite_paths: the parameter paths whose gradients held inf/NaN in the
+        latest skipped step.
+    """
+
+    loss_scale: float
+    applied_steps: int
+    skipped_steps: int
+    nonfinite_run: int
+    last_step_skipped: bool
+    at_floor: bool
+    nonfinite_paths: tuple[str, ...]
+
+    def __str__(self) -> str:
+        text = (
+            f"loss scale {self.loss_scale:g}; applied {self.applied_steps}, skipped "
+            f"{self.skipped_steps} (current run {self.nonfinite_run})"
+        )
+        if self.nonfinite_paths:
+            shown = ", ".join(self.nonfinite_paths[:5])
+            more = len(self.nonfinite_paths) - 5
+            text += f"; last non-finite gradients in {shown}" + (f" (+{more})" if more > 0 else "")
+        return text
+
+
+def _host(x: Any) -> np.ndarray:
+    # Replicated values may be spread over processes; every process holds a copy.
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(jax.device_get(x))
+
+
+def loss_scaling_report(opt_state: Any) -> LossScalingReport:
+    """Reads the counters and diagnostics of the `loss_scaling` state in `opt_state`.
+
+    Args:
+      opt_state: an optimizer state (or `TrainState`, or `nnx.Optimizer`) that
+        holds a `loss_scaling` state.
+
+    Returns:
+      A `LossScalingReport`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_policy as jmp
+      >>> tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(4.0))
+      >>> params = {"fc": {"w": jnp.ones(2)}, "b": jnp.ones(1)}
+      >>> state = tx.init(params)
+      >>> grads = {"fc": {"w": jnp.array([1.0, jnp.nan])}, "b": jnp.ones(1)}
+      >>> _, state = tx.update(grads, state, params)
+      >>> print(jmp.loss_scaling_report(state))
+      loss scale 2; applied 0, skipped 1 (current run 1); last non-finite gradients in ['fc']['w']
+    """
+    state = find_loss_scaling_state(opt_state)
+    scale = state.loss_scale
+    scale_value = float(_host(scale.loss_scale))
+    at_floor = isinstance(scale, DynamicLossScale) and scale_value <= max(
+        scale.min_loss_scale, float(np.finfo(np.float32).tiny)
+    )
+    paths = tuple(
+        jax.tree_util.keystr(path)
+        for path, flag in jax.tree_util.tree_leaves_with_path(state.nonfinite_leaves)
+        if bool(_host(flag))
+    )
+    return LossScalingReport(
+        loss_scale=scale_value,
+        applied_steps=int(_host(state.applied_steps)),
+        skipped_steps=int(_host(state.skipped_steps)),
+        nonfinite_run=int(_host(state.nonfinite_run)),
+        last_step_skipped=bool(_host(state.last_step_skipped)),
+        at_floor=bool(at_floor),
+        nonfinite_paths=paths,
+    )
+
+
+def nonfinite_paths(opt_state: Any) -> tuple[str, ...]:
+    """The parameter paths whose gradients held inf/NaN in the latest skipped step.
+
+    Answers "which layer overflows?". Empty until a step has been skipped.
+    """
+    return loss_scaling_report(opt_state).nonfinite_paths
+
+
+def check_loss_scaling(opt_state: Any, max_nonfinite_run: int = 20) -> LossScalingReport:
+    """Raises when training has skipped too many steps in a row; else reports.
+
+    A dynamic loss scale cures overflow by backing off, so a long run of
+    skipped steps means the loss itself is inf/NaN (bad data, a bug, a
+    learning rate that diverged) or the scale is stuck at its floor. Call this
+    every N steps so such a run stops training loudly instead of skipping
+    silently forever.
+
+    Args:
+      opt_state: the optimizer state (or `TrainState`, or `nnx.Optimizer`).
+      max_nonfinite_run: how many consecutive skipped steps to tolerate (>= 1).
+
+    Returns:
+      The `LossScalingReport`, when the run is shorter than `max_nonfinite_run`.
+
+    Raises:
+      NonFiniteLossError: `max_nonfinite_run` or more consecutive steps were
+        skipped; the message says which parameters had non-finite gradients.
+      ValueError: `max_nonfinite_run` < 1.
+    """
+    if isinstance(max_nonfinite_run, bool) or not isinstance(max_nonfinite_run, int):
+        raise TypeError(
+            f"Expected an integer >= 1 for `max_nonfinite_run`, got {max_nonfinite_run!r}."
+        )
+    if max_nonfinite_run < 1:
+        raise ValueError(
+            f"Expected an integer >= 1 for `max_nonfinite_run`, got {max_nonfinite_run}."
+        )
+    report = loss_scaling_report(opt_state)
+    if report.nonfinite_run >= max_nonfinite_run:
+        cause = (
+            "the loss scale is at its floor, so a smaller scale cannot cure it"
+            if report.at_floor
+            else "backing off the loss scale has not cured it"
+        )
+        raise NonFiniteLossError(
+            f"{report.nonfinite_run} consecutive steps had inf/NaN gradients and were skipped; "
+            f"{cause}. The loss itself is probably not finite: check the data and the loss for "
+            "NaN, lower the learning rate, or keep fragile ops (softmax, log, losses) in "
+            f"float32. Status: {report}."
+        )
+    return report

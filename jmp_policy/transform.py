@@ -1,0 +1,271 @@
+"""`loss_scaling`: the loss-scaled, skip-on-overflow step as one optax transform.
+
+The order of a step is torch.amp's: the caller scales the loss by S and
+differentiates; `update` unscales the gradients with that same S, checks them,
+runs the inner optimizer only when they are finite (else returns zero updates
+and leaves the inner state exactly as it was), and only then adjusts S.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jmp_policy.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    leaf_finite_flags,
+)
+
+_LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+
+
+class LossScalingState(NamedTuple):
+    """The state of `loss_scaling`.
+
+    Attributes:
+      loss_scale: the current `LossScale` (the one the next step's loss must be
+        scaled with).
+      inner_state: the wrapped optimizer's state; untouched by skipped steps.
+      applied_steps: steps whose update was applied (int32, saturating).
+      skipped_steps: steps skipped because a gradient was inf/NaN (int32,
+        saturating).
+      nonfinite_run: the current run of consecutive skipped steps; 0 after an
+        applied step (int32, saturating). A long run means the loss itself is
+        not finite, or the scale is stuck at its floor.
+      last_step_skipped: whether the most recent step was skipped (bool).
+      nonfinite_leaves: for the most recent skipped step, a bool per gradient
+        leaf (same structure as the parameters): True where that leaf held an
+        inf or NaN. All False until a step is skipped.
+    """
+
+    loss_scale: LossScale
+    inner_state: optax.OptState
+    applied_steps: jax.Array  # shape=(), dtype=jnp.int32
+    skipped_steps: jax.Array  # shape=(), dtype=jnp.int32
+    nonfinite_run: jax.Array  # shape=(), dtype=jnp.int32
+    last_step_skipped: jax.Array  # shape=(), dtype=jnp.bool_
+    nonfinite_leaves: Any  # params-shaped pytree of bool scalars
+
+
+def _half_leaves(tree: Any) -> list[str]:
+    found = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and dtype in (jnp.float16, jnp.bfloat16):
+            found.append(f"{jax.tree_util.keystr(path)} ({jnp.dtype(dtype).name})")
+    return found
+
+
+def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
+    for what, tree in (("parameters", params), ("the inner optimizer state", inner_state)):
+        half = _half_leaves(tree)
+        if half:
+            shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")
+            warnings.warn(
+                f"loss_scaling: {what} are in half precision ({shown}). Weight updates must "
+                "not run in float16/bfloat16: small updates round away and Adam's eps "
+                "underflows to 0 in float16. Keep float32 master weights and cast a copy for "
+                "the forward pass, e.g. `policy = jmp_policy.get_policy('mixed_float16')`, "
+                "`params = policy.cast_to_param(params)` before `init`, and "
+                "`policy.cast_to_compute(params)` inside the loss.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def _copy_leaves(tree: Any) -> Any:
+    # A fresh buffer for every array leaf, so donating this state never deletes
+    # arrays the caller still holds (e.g. one loss scale passed to two inits).
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def loss_scaling(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale,
+    *,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps `inner` so it consumes gradients of a loss scaled by `loss_scale`.
+
+    `update(scaled_grads, state, params=None, **extra)` takes the gradients of
+    the *scaled* loss (`get_loss_scale(state).scale(loss)`), divides them by
+    that scale in float32, and checks them for inf/NaN:
+
+    - finite: runs `inner.update` on the unscaled gradients and returns its
+      updates;
+    - not finite: returns zero updates (negative zeros, so `p + u` is `p` bit
+      for bit) and leaves the inner state exactly as it was (Adam's count and
+      moments, schedules), and counts the skip.
+
+    Then the loss scale is adjusted (grown or backed off). The scale used for
+    unscaling is always the one the loss was scaled with.
+
+    Args:
+      inner: the optimizer (any optax transform, including `optax.chain`,
+        `optax.MultiSteps` and `optax.inject_hyperparams`).
+      loss_scale: the initial `NoOpLossScale`, `StaticLossScale` or
+        `DynamicLossScale`.
+      axis_name: a mapped axis name (or tuple) of `pmap`/`shard_map`, so every
+        device takes the same skip decision. Not needed under SPMD `jit`.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a
+      `LossScalingState`.
+
+    Raises:
+      TypeError: `inner` is not an optax transform or `loss_scale` is not a
+        loss scale.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import jmp_policy as jmp
+      >>> tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**10))
+      >>> params = {"w": jnp.ones(2)}
+      >>> state = tx.init(params)
+      >>> scaled_grads = {"w": jnp.array([2.0**10, jnp.inf])}  # overflowed
+      >>> updates, state = tx.update(scaled_grads, state, params)
+      >>> optax.apply_updates(params, updates)["w"]
+      Array([1., 1.], dtype=float32)
+      >>> float(jmp.get_loss_scale(state).loss_scale), int(state.skipped_steps)
+      (512.0, 1)
+    """
+    if not isinstance(inner, optax.GradientTransformation) and callable(
+        getattr(inner, "gradient_transformation", None)
+    ):
+        inner = inner.gradient_transformation()  # optax.MultiSteps
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            "Expected an optax.GradientTransformation (e.g. optax.adam(1e-3)) for `inner`, "
+            f"got {type(inner).__name__}."
+        )
+    if not isinstance(loss_scale, _LOSS_SCALES):
+        raise TypeError(
+            "Expected NoOpLossScale, StaticLossScale or DynamicLossScale for `loss_scale`, "
+            f"got {type(loss_scale).__name__}."
+        )
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        inner_state = inner.init(params)
+        _warn_if_half_master_weights(params, inner_state)
+        # Every leaf its own buffer: a donated state may not hold one twice.
+        return LossScalingState(
+            loss_scale=_copy_leaves(loss_scale),
+            inner_state=inner_state,
+            applied_steps=jnp.zeros((), jnp.int32),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            nonfinite_run=jnp.zeros((), jnp.int32),
+            last_step_skipped=jnp.zeros((), jnp.bool_),
+            nonfinite_leaves=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), params),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        grads = state.loss_scale.unscale(updates)
+        flags = leaf_finite_flags(grads, axis_name=axis_name)
+        flag_leaves = jax.tree.leaves(flags)
+        finite = jnp.stack(flag_leaves).all() if flag_leaves else jnp.asarray(True)
+
+        def apply(_):
+            new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
+            return new_updates, optax.tree.cast_like(new_inner, state.inner_state)
+
+        def skip(_):
+            shapes = jax.eval_shape(apply, None)[0]
+            # -0.0: p + (-0.0) == p bit for bit, for every p including +0.0.
+            zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
+            return zeros, state.inner_state
+
+        # `cond` runs one branch only: a skipped step does no optimizer work,
+        # and no second copy of the inner state is kept alive for a select.
+        new_updates, inner_state = lax.cond(finite, apply, skip, None)
+
+        skipped = ~finite
+        nonfinite_leaves = jax.tree.map(
+            lambda old, ok: jnp.where(skipped, ~ok, old), state.nonfinite_leaves, flags
+        )
+        new_state = LossScalingState(
+            loss_scale=state.loss_scale.adjust(finite),
+            inner_state=inner_state,
+            applied_steps=jnp.where(
+                finite, optax.safe_int32_increment(state.applied_steps), state.applied_steps
+            ),
+            skipped_steps=jnp.where(
+                skipped, optax.safe_int32_increment(state.skipped_steps), state.skipped_steps
+            ),
+            nonfinite_run=jnp.where(skipped, optax.safe_int32_increment(state.nonfinite_run), 0),
+            last_step_skipped=skipped,
+            nonfinite_leaves=nonfinite_leaves,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def find_loss_scaling_state(opt_state: Any) -> LossScalingState:
+    """Returns the `LossScalingState` inside `opt_state`, wherever it sits.
+
+    Looks through `optax.chain` tuples, `optax.MultiSteps`,
+    `optax.inject_hyperparams` and any other pytree of states, a Flax
+    `TrainState` (its `opt_state`) and an `nnx.Optimizer`.
+
+    Raises:
+      ValueError: there is no `loss_scaling` state, or more than one.
+    """
+    tree = _optimizer_state_of(opt_state)
+    found = [
+        x
+        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LossScalingState))
+        if isinstance(x, LossScalingState)
+    ]
+    if len(found) != 1:
+        what = "none" if not found else f"{len(found)}"
+        raise ValueError(
+            f"Expected exactly one `loss_scaling` state in `opt_state`, found {what} in a "
+            f"{type(opt_state).__name__}. Build the optimizer as "
+            "`jmp_policy.loss_scaling(inner, jmp_policy.DynamicLossScale(2.0**15))` (it may "
+            "sit inside optax.chain, MultiSteps or inject_hyperparams)."
+        )
+    return found[0]
+
+
+def _optimizer_state_of(obj: Any) -> Any:
+    from flax import nnx
+
+    if isinstance(obj, nnx.Optimizer):
+        # nnx wraps every leaf of the optax state in a Variable; unwrap them.
+        return nnx.as_pure(obj.opt_state)
+    return obj
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """Returns the current loss scale inside the state of `loss_scaling`.
+
+    Works wherever the transform sits: inside `optax.chain`, `optax.MultiSteps`,
+    `optax.inject_hyperparams`, a Flax `TrainState` or an `nnx.Optimizer`. Use it
+    to scale the loss: `get_loss_scale(opt_state).scale(loss)`.
+
+    Args:
+      opt_state: an optimizer state, a `TrainState` or an `nnx.Optimizer`.
+
+    Returns:
+      The `LossScale` the next step's loss must be scaled with.
+
+    Raises:
+      ValueError: `opt_state` holds no `loss_scaling` state (or several).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_policy as jmp
+      >>> tx = optax.MultiSteps(jmp.loss_scaling(optax.sgd(0.1), jmp.StaticLossScale(8)), 4)
+      >>> jmp.get_loss_scale(tx.init({"w": jnp.ones(2)}))
+      StaticLossScale(loss_scale=8.0)
+    """
+    return find_loss_scaling_state(opt_state).loss_scale
