@@ -34,3 +34,11 @@ def test_all_finite_benchmark_runs():
         ["--size", "100000", "--leaves", "100", "--rounds", "1"]
     )
     assert "jmp_policy.all_finite" in text and "x |" in text
+
+
+def test_train_step_benchmark_runs():
+    text = load("benchmarks/bench_train_step.py").main(
+        ["--batch", "8", "--width", "32", "--rounds", "1", "--repeats", "2"]
+    )
+    for name in ("plain optax", "jmp recipe", "apply_if_finite", "DynamicScale", "loss_scaling"):
+        assert name in text
