@@ -4,6 +4,8 @@ A drop-in for jmp (`import jmp_policy as jmp`), plus loss scaling as an optax
 transform, Flax integration, autocast and diagnostics.
 """
 
+from jmp_policy import linen, nnx
+from jmp_policy.census import Census, precision_census
 from jmp_policy.diagnostics import (
     LossScalingReport,
     NonFiniteLossError,
@@ -31,6 +33,7 @@ from jmp_policy.transform import (
 __version__ = "0.1.0"
 
 __all__ = (
+    "Census",
     "DynamicLossScale",
     "LossScale",
     "LossScalingReport",
@@ -48,8 +51,11 @@ __all__ = (
     "get_policy",
     "half_dtype",
     "leaf_finite_flags",
+    "linen",
+    "nnx",
     "loss_scaling",
     "loss_scaling_report",
     "nonfinite_paths",
+    "precision_census",
     "select_tree",
 )

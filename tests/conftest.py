@@ -7,8 +7,17 @@ relies on standard promotion (optax's Adam bias correction and schedules mix
 float and int32) are marked `standard_promotion`.
 """
 
+import pathlib
+import sys
+
 import jax
 import pytest
+
+# Shared test models (tests/flax_models.py) are imported by name.
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+# Run only in its own subprocess (it needs 8 forced devices), never collected.
+collect_ignore = ["multidevice_script.py"]
 
 
 def pytest_configure(config):

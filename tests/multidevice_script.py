@@ -63,7 +63,10 @@ def spmd():
         skipped.append(bool(state.last_step_skipped))
         scales.append(float(state.loss_scale.loss_scale))
         if i in (3, 8):
-            assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params)))
+            assert all(
+                np.array_equal(a, b)
+                for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params), strict=True)
+            )
     return {
         "skipped": skipped,
         "scales": scales,
@@ -100,4 +103,8 @@ def shard_mapped(axis_name):
     return {"skipped": np.asarray(skipped).tolist()}
 
 
-print(json.dumps({"spmd": spmd(), "with_axis": shard_mapped("data"), "without_axis": shard_mapped(None)}))
+print(
+    json.dumps(
+        {"spmd": spmd(), "with_axis": shard_mapped("data"), "without_axis": shard_mapped(None)}
+    )
+)

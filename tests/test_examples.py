@@ -42,3 +42,11 @@ def test_train_step_benchmark_runs():
     )
     for name in ("plain optax", "jmp recipe", "apply_if_finite", "DynamicScale", "loss_scaling"):
         assert name in text
+
+
+def test_linen_cnn_example_fast():
+    assert load("examples/linen_cnn.py").main(["--steps", "40"]) > 0.5
+
+
+def test_nnx_transformer_example_fast():
+    assert load("examples/nnx_transformer.py").main(["--steps", "60"]) > 0.6

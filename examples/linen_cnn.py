@@ -1,0 +1,103 @@
+"""A Linen CNN with BatchNorm, trained with mixed_float16 + dynamic loss scaling.
+
+The model is plain Flax; `jmp_policy.linen.mixed_precision` runs it with
+float32 master weights, float16 convolutions and float32 BatchNorm (statistics
+included), and `jmp_policy.loss_scaling` makes Adam skip overflowing steps.
+The task is synthetic: which quadrant of a noisy 16x16 image holds a bright
+square. About 20 s on 2 CPU cores:
+
+    python examples/linen_cnn.py [--steps 150] [--policy mixed_float16]
+"""
+
+import argparse
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+import jmp_policy as jmp
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        for features in (16, 32):
+            x = nn.Conv(features, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+            x = nn.relu(x)
+            x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        return nn.Dense(4)(x.reshape((x.shape[0], -1)))
+
+
+def make_batch(key, batch=64):
+    k_noise, k_label, k_pos = jax.random.split(key, 3)
+    labels = jax.random.randint(k_label, (batch,), 0, 4)
+    images = 0.3 * jax.random.normal(k_noise, (batch, 16, 16, 1))
+    offsets = jax.random.randint(k_pos, (batch, 2), 0, 4)
+    rows = (labels // 2) * 8 + offsets[:, 0]
+    cols = (labels % 2) * 8 + offsets[:, 1]
+    grid = jnp.arange(16)
+    in_rows = (grid[None, :] >= rows[:, None]) & (grid[None, :] < rows[:, None] + 4)
+    in_cols = (grid[None, :] >= cols[:, None]) & (grid[None, :] < cols[:, None] + 4)
+    square = (in_rows[:, :, None] & in_cols[:, None, :]).astype(jnp.float32)
+    return images + square[..., None], labels
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--policy", default="mixed_float16")
+    args = parser.parse_args(argv)
+
+    policy = jmp.get_policy(args.policy)
+    model = jmp.linen.mixed_precision(CNN(), policy)  # BatchNorm stays float32
+    x, _ = make_batch(jax.random.key(0))
+    variables = model.init(jax.random.key(1), x)
+    state = train_state.TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=jmp.loss_scaling(optax.adam(3e-3), jmp.DynamicLossScale(2.0**15, period=50)),
+    )
+    batch_stats = variables["batch_stats"]
+
+    @jax.jit
+    def train_step(state, batch_stats, x, y):
+        scale = jmp.get_loss_scale(state)
+
+        def loss_fn(params):
+            logits, updates = state.apply_fn(
+                {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            return scale.scale(loss), (loss, updates["batch_stats"])
+
+        grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
+        state = state.apply_gradients(grads=grads)
+        # A skipped step keeps the old statistics too: nothing is lost.
+        skipped = jmp.find_loss_scaling_state(state).last_step_skipped
+        new_stats = jmp.select_tree(skipped, batch_stats, new_stats)
+        return state, new_stats, loss
+
+    @jax.jit
+    def accuracy(state, batch_stats, x, y):
+        logits = state.apply_fn(
+            {"params": state.params, "batch_stats": batch_stats}, x, train=False
+        )
+        return (logits.argmax(-1) == y).mean()
+
+    for step in range(args.steps):
+        x, y = make_batch(jax.random.key(100 + step))
+        state, batch_stats, loss = train_step(state, batch_stats, x, y)
+        if step % 50 == 0 or step == args.steps - 1:
+            print(f"step {step:4d}  loss {float(loss):.4f}  {jmp.loss_scaling_report(state)}")
+    x, y = make_batch(jax.random.key(9999), batch=512)
+    acc = float(accuracy(state, batch_stats, x, y))
+    dtypes = sorted({a.dtype.name for a in jax.tree.leaves(batch_stats)})
+    print(f"policy {policy}; batch_stats dtypes {dtypes}; held-out accuracy {acc:.3f}")
+    return acc
+
+
+if __name__ == "__main__":
+    main()

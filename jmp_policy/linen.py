@@ -1,0 +1,244 @@
+"""A policy on an unmodified Flax Linen module, with float32 islands.
+
+`mixed_precision(module, policy)` returns an object with the module's `init`
+and `apply`: parameters stay stored in `param_dtype` (float32 master weights)
+and are cast to each module's compute dtype for the forward pass, every module
+call gets its floating inputs cast to its compute dtype, and the model's output
+comes back in `output_dtype`. Overrides (by class or path) give part of the
+model another policy: by default normalisation layers run in float32.
+Non-param collections (`batch_stats`, ...) are never cast down and are stored
+back in their own dtype (float32).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.core import unfreeze
+
+from jmp_policy.overrides import FLOAT32, Overrides
+from jmp_policy.policy import Policy
+
+NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
+    {
+        cls: FLOAT32
+        for cls in (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm)
+    }
+)
+"""The default overrides: Flax's normalisation layers compute in float32."""
+
+
+class MixedPrecisionModule:
+    """A Linen module run under a policy. Use its `init` and `apply` like the module's.
+
+    Attributes:
+      module: the unmodified Linen module.
+      policy: the policy for everything not overridden.
+      overrides: the validated overrides.
+    """
+
+    def __init__(self, module: nn.Module, policy: Policy, overrides: Mapping[Any, Policy]):
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"Expected a flax.linen.Module for `module`, got {type(module).__name__}."
+            )
+        if not isinstance(policy, Policy):
+            raise TypeError(
+                "Expected a jmp_policy.Policy (e.g. jmp_policy.get_policy('mixed_float16')) for "
+                f"`policy`, got {type(policy).__name__}."
+            )
+        self.module = module
+        self.policy = policy
+        self.overrides = Overrides(overrides, nn.Module)
+        # Module path -> the policy it runs under, learnt from a trace (abstract,
+        # so it costs no compute); needed to cast each parameter for its module.
+        self._path_policies: dict[Any, dict[tuple[str, ...], Policy]] = {}
+        self._stack: list[Policy] = []
+
+    def __repr__(self) -> str:
+        return f"MixedPrecisionModule({type(self.module).__name__}, policy={self.policy})"
+
+    # --- interception -----------------------------------------------------
+
+    def _policy_for(self, path: tuple[str, ...], module: Any) -> Policy:
+        own = self.overrides.own_policy(path, module)
+        if own is not None:
+            return own
+        return self._stack[-1] if self._stack else self.policy
+
+    def _interceptor(self, record: dict | None):
+        def intercept(next_fun, args, kwargs, context):
+            if context.method_name == "setup" or (
+                context.method_name.startswith("_") and context.method_name != "__call__"
+            ):
+                return next_fun(*args, **kwargs)
+            module = context.module
+            path = tuple(module.scope.path) if module.scope is not None else ()
+            policy = self._policy_for(path, module)
+            if record is not None:
+                # A recording pass (init, or learning the module paths) only
+                # needs the structure: it runs the module as written.
+                record[path] = policy
+                self._stack.append(policy)
+                try:
+                    return next_fun(*args, **kwargs)
+                finally:
+                    self._stack.pop()
+            _softmax_in_float32(module, policy)
+            self._stack.append(policy)
+            try:
+                args, kwargs = policy.cast_to_compute((args, kwargs))
+                return next_fun(*args, **kwargs)
+            finally:
+                self._stack.pop()
+
+        return intercept
+
+    def _run(self, fn, record=None):
+        self._stack = []
+        with nn.intercept_methods(self._interceptor(record)):
+            return fn()
+
+    # --- parameters -----------------------------------------------------------
+
+    def _module_policy(self, path_policies, param_path: tuple[str, ...]) -> Policy:
+        # A parameter belongs to the innermost recorded module above it.
+        for cut in range(len(param_path), -1, -1):
+            if param_path[:cut] in path_policies:
+                return path_policies[param_path[:cut]]
+        return self.policy
+
+    def _cast_params(self, params, path_policies, to: str):
+        def cast(path, leaf):
+            keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+            policy = self._module_policy(path_policies, keys[:-1])
+            return getattr(policy, f"cast_to_{to}")(leaf)
+
+        return jax.tree_util.tree_map_with_path(cast, params)
+
+    def _learn_paths(self, key, variables, args, kwargs):
+        if key not in self._path_policies:
+            record: dict[tuple[str, ...], Policy] = {}
+            self._run(
+                lambda: jax.eval_shape(
+                    lambda v, a, k: self.module.apply(v, *a, mutable=True, **k),
+                    variables,
+                    args,
+                    kwargs,
+                ),
+                record,
+            )
+            self._path_policies[key] = record
+            self.overrides.warn_unmatched()
+        return self._path_policies[key]
+
+    # --- the module's API -------------------------------------------------------
+
+    def init(self, rngs, *args, method=None, **kwargs):
+        """Like `module.init`; parameters are stored in each module's `param_dtype`."""
+        record: dict[tuple[str, ...], Policy] = {}
+        variables = self._run(
+            lambda: self.module.init(rngs, *args, method=method, **kwargs), record
+        )
+        self._path_policies.setdefault(_method_key(method), record)
+        self.overrides.warn_unmatched()
+        variables = unfreeze(variables)
+        if "params" in variables:
+            variables["params"] = self._cast_params(variables["params"], record, "param")
+        return variables
+
+    def apply(self, variables, *args, method=None, mutable=False, **kwargs):
+        """Like `module.apply`, run under the policy.
+
+        Returns what `module.apply` returns; the output is cast to the policy's
+        `output_dtype`, and updated non-param collections keep the dtype they
+        came in with (float32 batch statistics stay float32).
+        """
+        variables = unfreeze(variables)
+        path_policies = self._learn_paths(_method_key(method), variables, args, kwargs)
+        cast_vars = dict(variables)
+        if "params" in variables:
+            cast_vars["params"] = self._cast_params(variables["params"], path_policies, "compute")
+        out = self._run(
+            lambda: self.module.apply(cast_vars, *args, method=method, mutable=mutable, **kwargs)
+        )
+        root = self._module_policy(path_policies, ())
+        if mutable is False:
+            return root.cast_to_output(out)
+        y, updated = out
+        updated = unfreeze(updated)
+        for name, collection in updated.items():
+            if name in variables and name != "params":
+                updated[name] = jax.tree.map(
+                    lambda new, old: new.astype(old.dtype), collection, variables[name]
+                )
+        return root.cast_to_output(y), updated
+
+
+def _weights_in_value_dtype(subscripts, weights, value, **kwargs):
+    # After a float32 softmax, the weights go back to the value's (compute)
+    # dtype, so the second attention matmul runs in half precision too.
+    return jnp.einsum(subscripts, weights.astype(value.dtype), value, **kwargs)
+
+
+def _softmax_in_float32(module: nn.Module, policy: Policy) -> None:
+    """Attention modules (Flax's MultiHeadDotProductAttention) get a float32 softmax.
+
+    The bound module is a per-call clone, so the user's module is untouched.
+    """
+    fields = getattr(module, "__dataclass_fields__", {})
+    if "force_fp32_for_softmax" not in fields or policy.compute_dtype == jnp.float32:
+        return
+    object.__setattr__(module, "force_fp32_for_softmax", True)
+    custom = ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
+    if all(name in fields and getattr(module, name) is None for name in custom):
+        # Flax takes both einsums or neither; the first is its default one.
+        object.__setattr__(module, custom[0], lambda: jnp.einsum)
+        object.__setattr__(module, custom[1], lambda: _weights_in_value_dtype)
+
+
+def _method_key(method) -> Any:
+    return (
+        method if method is None or isinstance(method, str) else getattr(method, "__name__", method)
+    )
+
+
+def mixed_precision(
+    module: nn.Module, policy: Policy, overrides: Mapping[Any, Policy] = NORMS_IN_FLOAT32
+) -> MixedPrecisionModule:
+    """Applies `policy` to an unmodified Linen module.
+
+    Args:
+      module: any `flax.linen.Module` (Flax's layers or your own).
+      policy: e.g. `jmp_policy.get_policy("mixed_float16")`.
+      overrides: `{module class | glob path pattern | compiled regex: Policy}`
+        for parts of the model that run under another policy. Default:
+        `NORMS_IN_FLOAT32` (LayerNorm, BatchNorm, GroupNorm, RMSNorm,
+        InstanceNorm in float32). Extend it with
+        `{**NORMS_IN_FLOAT32, "head": jmp_policy.get_policy("float32")}`.
+
+    Returns:
+      A `MixedPrecisionModule` with the module's `init` and `apply`; the
+      parameter tree has the same structure as the module's.
+
+    Raises:
+      TypeError: `module` is not a Linen module, `policy` or an override value
+        is not a `Policy`, or an override key is neither a Module class nor a
+        pattern.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> import jmp_policy as jmp
+      >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+      >>> mixed = jmp.linen.mixed_precision(model, jmp.get_policy("mixed_float16"))
+      >>> variables = mixed.init(jax.random.key(0), jnp.ones((1, 4)))
+      >>> kernel = variables["params"]["layers_0"]["kernel"]
+      >>> kernel.dtype, mixed.apply(variables, jnp.ones((1, 4))).dtype
+      (dtype('float32'), dtype('float32'))
+    """
+    return MixedPrecisionModule(module, policy, overrides)

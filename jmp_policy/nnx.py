@@ -1,0 +1,188 @@
+"""A policy on an existing Flax NNX model, with float32 islands.
+
+NNX modules are mutable objects that know their computation dtype (`dtype`)
+and keep their parameters in `param_dtype`, so `mixed_precision(model,
+policy)` sets every submodule's `dtype` to the compute dtype of the policy it
+falls under (overrides give float32 islands), keeps the parameters stored in
+`param_dtype`, and makes the model cast its inputs to the compute dtype and its
+outputs to `output_dtype`. The state tree (parameters, batch statistics) keeps
+its structure, so checkpoints of the float32 model load unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmp_policy.overrides import FLOAT32, Overrides
+from jmp_policy.policy import Policy
+
+NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
+    {
+        cls: FLOAT32
+        for cls in (nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm, nnx.InstanceNorm)
+    }
+)
+"""The default overrides: Flax's normalisation layers compute in float32."""
+
+_CASTING_CLASSES: dict[type, type] = {}
+
+
+def _casting_class(cls: type) -> type:
+    """A subclass of `cls` whose `__call__` casts inputs and outputs by policy."""
+    if getattr(cls, "_jmp_policy_casting", False):
+        return cls
+    if cls not in _CASTING_CLASSES:
+
+        def __call__(self, *args, **kwargs):
+            policy = self._jmp_policy_root
+            args, kwargs = policy.cast_to_compute((args, kwargs))
+            return policy.cast_to_output(cls.__call__(self, *args, **kwargs))
+
+        _CASTING_CLASSES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__call__": __call__,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+                "_jmp_policy_casting": True,
+            },
+        )
+    return _CASTING_CLASSES[cls]
+
+
+def mixed_precision(
+    model: nnx.Module, policy: Policy, overrides: Mapping[Any, Policy] = NORMS_IN_FLOAT32
+) -> nnx.Module:
+    """Applies `policy` to an NNX model in place, and returns it.
+
+    Every submodule with a `dtype` attribute (Flax's layers: Linear, Conv,
+    Embed, LayerNorm, BatchNorm, MultiHeadAttention and its projections, ...)
+    computes in the compute dtype of the policy it falls under; parameters are
+    cast to that policy's `param_dtype` (a no-op for float32 master weights);
+    the model's `__call__` casts its floating inputs to the compute dtype and
+    its outputs to `output_dtype`; attention modules that use Flax's default
+    attention get `attention_with_float32_softmax`. Works with `nnx.jit`,
+    `nnx.grad` and `nnx.Optimizer`; gradients arrive in `param_dtype`.
+
+    Args:
+      model: an `nnx.Module` (Flax's layers or your own).
+      policy: e.g. `jmp_policy.get_policy("mixed_float16")`.
+      overrides: `{module class | glob path pattern | compiled regex: Policy}`;
+        paths join attribute names with "/" (e.g. "blocks/0/attn"). Default:
+        `NORMS_IN_FLOAT32`.
+
+    Returns:
+      `model`, changed in place (its class becomes a subclass that casts at
+      the boundary; the state tree is unchanged).
+
+    Raises:
+      TypeError: `model` is not an NNX module, or `policy`/`overrides` are malformed.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jmp_policy as jmp
+      >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+      >>> model = jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
+      >>> model.dtype, model.kernel[...].dtype, model(jnp.ones((1, 4))).dtype
+      (dtype(bfloat16), dtype('float32'), dtype('float32'))
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"Expected a flax.nnx.Module for `model`, got {type(model).__name__}.")
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            "Expected a jmp_policy.Policy (e.g. jmp_policy.get_policy('mixed_float16')) for "
+            f"`policy`, got {type(policy).__name__}."
+        )
+    rules = Overrides(overrides, nnx.Module)
+    modules = {
+        tuple(str(p) for p in path): node
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Module)
+    }
+    resolved: dict[tuple[str, ...], Policy] = {}
+    for path in sorted(modules, key=len):  # parents before children
+        parent = resolved.get(path[:-1], policy) if path else policy
+        resolved[path] = rules.own_policy(path, modules[path]) or parent
+        _apply_to_module(modules[path], resolved[path])
+    rules.warn_unmatched()
+    object.__setattr__(model, "_jmp_policy_root", resolved[()])
+    model.__class__ = _casting_class(type(model))
+    return model
+
+
+def attention_with_float32_softmax(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    promote_dtype=None,
+    is_causal: bool = False,
+):
+    """Dot-product attention with half-precision matmuls and a float32 softmax.
+
+    A drop-in `attention_fn` for `nnx.MultiHeadAttention` (same arguments as
+    `nnx.dot_product_attention`). Both matmuls run in the compute dtype; the
+    softmax runs in float32 (the source guide: softmax is forced to fp32), and
+    the weights go back to the value's dtype for the second matmul. It also avoids
+    `jax.nn.dot_product_attention`'s float16 path, which asks for the
+    F16_F16_F32 dot algorithm that XLA:CPU cannot compile.
+    """
+    if promote_dtype is not None:
+        query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    depth = query.shape[-1]
+    query = query / jnp.sqrt(jnp.asarray(depth, jnp.float32)).astype(query.dtype)
+    # The matmul runs in the compute dtype (GPUs accumulate it in float32);
+    # the logits are widened after it, so the backward matmuls stay in half
+    # precision too.
+    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+    logits = logits.astype(jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if is_causal:
+        causal = jnp.tril(jnp.ones(logits.shape[-2:], jnp.bool_))
+        mask = causal if mask is None else jnp.logical_and(mask, causal)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    if module is not None:
+        module.sow(nnx.Intermediate, "attention_weights", weights)
+    if not deterministic and dropout_rate > 0.0:
+        keep_prob = 1.0 - dropout_rate
+        shape = (
+            (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
+        )
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+        weights = jnp.where(keep, weights / keep_prob, 0.0)
+    return jnp.einsum(
+        "...hqk,...khd->...qhd", weights.astype(value.dtype), value, precision=precision
+    )
+
+
+def _apply_to_module(module: nnx.Module, policy: Policy) -> None:
+    if hasattr(module, "dtype"):
+        module.dtype = policy.compute_dtype
+    half = policy.compute_dtype != jnp.float32
+    if half and getattr(module, "attention_fn", None) is nnx.dot_product_attention:
+        module.attention_fn = attention_with_float32_softmax
+    if hasattr(module, "param_dtype"):
+        module.param_dtype = policy.param_dtype
+    for value in vars(module).values():
+        if isinstance(value, nnx.Param):
+            value.set_value(policy.cast_to_param(value.get_value()))

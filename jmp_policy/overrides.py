@@ -1,0 +1,78 @@
+"""Per-class and per-path policy overrides, shared by the Linen and NNX integrations.
+
+An override maps a module class (matched with `isinstance`), a glob pattern on
+the module's path (`fnmatch`, parts joined with "/", e.g. "*/head") or a
+compiled regular expression (`re.fullmatch` on the same string) to a `Policy`.
+The innermost module that matches decides; modules inside it inherit its
+policy. A path match beats a class match on the same module.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from jmp_policy.policy import Policy, get_policy
+
+FLOAT32 = get_policy("float32")
+
+
+class Overrides:
+    """Validated overrides with matching; tracks which patterns matched."""
+
+    def __init__(self, overrides: Any, module_base: type, argument: str = "overrides"):
+        if not isinstance(overrides, Mapping):
+            raise TypeError(
+                f"Expected a mapping {{module class or path pattern: Policy}} for `{argument}`, "
+                f"got {type(overrides).__name__}."
+            )
+        self.classes: list[tuple[type, Policy]] = []
+        self.patterns: list[tuple[Any, Policy]] = []
+        for key, policy in overrides.items():
+            if not isinstance(policy, Policy):
+                raise TypeError(
+                    f"Expected a jmp_policy.Policy (e.g. jmp_policy.get_policy('float32')) for "
+                    f"`{argument}[{key!r}]`, got {type(policy).__name__}."
+                )
+            if isinstance(key, type) and issubclass(key, module_base):
+                self.classes.append((key, policy))
+            elif isinstance(key, (str, re.Pattern)):
+                self.patterns.append((key, policy))
+            else:
+                raise TypeError(
+                    f"Expected a {module_base.__module__}.{module_base.__name__} subclass, a glob "
+                    f"pattern string or a compiled regex as a key of `{argument}`, got {key!r}."
+                )
+        self.matched: set[Any] = set()
+
+    def own_policy(self, path: tuple[str, ...], module: Any) -> Policy | None:
+        """The policy this module is overridden with, or None to inherit."""
+        text = "/".join(str(p) for p in path)
+        for key, policy in self.patterns:
+            hit = (
+                key.fullmatch(text)
+                if isinstance(key, re.Pattern)
+                else fnmatch.fnmatchcase(text, key)
+            )
+            if hit:
+                self.matched.add(key)
+                return policy
+        for cls, policy in self.classes:
+            if isinstance(module, cls):
+                return policy
+        return None
+
+    def warn_unmatched(self) -> None:
+        for key, _ in self.patterns:
+            if key not in self.matched:
+                shown = key.pattern if isinstance(key, re.Pattern) else key
+                warnings.warn(
+                    f"The override pattern {shown!r} matches no module path; paths look like "
+                    "'Encoder_0/Dense_1' (parts joined with '/').",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                self.matched.add(key)  # warn once

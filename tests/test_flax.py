@@ -1,0 +1,344 @@
+"""Tests for jmp_policy.linen and jmp_policy.nnx on unmodified Flax models."""
+
+import re
+import warnings
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from flax_models import LinenBlock, LinenCNN, NNXBlock
+
+import jmp_policy as jmp
+from jmp_policy.census import MATMULS, census_of_jaxpr, compute_dtype, iter_equations
+
+HALF_POLICIES = ["mixed_float16", "mixed_bfloat16"]
+F32 = jnp.dtype("float32")
+
+
+def _floating_outputs(eqn):
+    return [v.aval.dtype for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+
+
+def check_program(forward, backward, half, in_island, label):
+    """Every matmul outside the islands in `half`, forward and backward; every
+    forward op inside an island in float32.
+
+    (Backward ops carry the name of the forward op they differentiate, so the
+    backward pass is checked by its matmuls only.)
+    """
+    matmuls = island_ops = 0
+    for jaxpr, is_forward in ((forward, True), (backward, False)):
+        for eqn in iter_equations(jaxpr):
+            island = in_island(eqn)
+            if eqn.primitive.name in MATMULS:
+                operands = {v.aval.dtype for v in eqn.invars}
+                assert operands == ({F32} if island else {half}), (label, eqn)
+                matmuls += 1
+            floating = compute_dtype(eqn) is not None
+            if is_forward and island and floating and eqn.primitive.name != "convert_element_type":
+                assert set(_floating_outputs(eqn)) <= {F32}, (label, eqn)
+                island_ops += 1
+    print(f"\n{label} forward: {census_of_jaxpr(forward)}")
+    print(f"{label} forward+backward: {census_of_jaxpr(backward)}")
+    assert matmuls and island_ops
+
+
+def linen_island(names):
+    pattern = re.compile("|".join(names))
+    return lambda eqn: bool(pattern.search(str(eqn.source_info.name_stack)))
+
+
+def nnx_island(eqn):
+    # NNX pushes no name scopes: attribute by the source file of the layer.
+    tb = eqn.source_info.traceback
+    return tb is not None and any(
+        f.file_name.endswith("nnx/nn/normalization.py") for f in tb.frames
+    )
+
+
+LINEN_CASES = {
+    "cnn": (LinenCNN(), lambda: jnp.ones((2, 8, 8, 3)), ["BatchNorm_"]),
+    "block": (LinenBlock(), lambda: jnp.ones((2, 5, 16)), ["LayerNorm_"]),
+}
+
+
+@pytest.mark.parametrize("name", HALF_POLICIES)
+@pytest.mark.parametrize("case", sorted(LINEN_CASES))
+def test_linen_program(case, name):
+    model, make_x, islands = LINEN_CASES[case]
+    policy = jmp.get_policy(name)
+    overrides = {**jmp.linen.NORMS_IN_FLOAT32, "head": jmp.get_policy("float32")}
+    mixed = jmp.linen.mixed_precision(model, policy, overrides)
+    x = make_x()
+    variables = mixed.init(jax.random.key(0), x)
+    mutable = ["batch_stats"] if "batch_stats" in variables else False
+
+    def loss(params, x):
+        out = mixed.apply({**variables, "params": params}, x, mutable=mutable)
+        logits = out[0] if mutable else out
+        assert logits.dtype == policy.output_dtype
+        return logits.sum()
+
+    forward = jax.make_jaxpr(loss)(variables["params"], x)
+    backward = jax.make_jaxpr(jax.value_and_grad(loss))(variables["params"], x)
+    in_island = linen_island([*islands, "/head"])
+    check_program(forward, backward, policy.compute_dtype, in_island, f"linen {case} {name}")
+    grads = jax.grad(loss)(variables["params"], x)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {policy.param_dtype}
+    assert {p.dtype for p in jax.tree.leaves(variables["params"])} == {policy.param_dtype}
+
+
+@pytest.mark.parametrize("name", HALF_POLICIES)
+def test_nnx_program(name):
+    policy = jmp.get_policy(name)
+    model = jmp.nnx.mixed_precision(NNXBlock(rngs=nnx.Rngs(0)), policy)
+    x = jnp.ones((2, 5, 16))
+
+    def loss(model, x):
+        out = model(x)
+        assert out.dtype == policy.output_dtype
+        return out.sum()
+
+    graphdef, params = nnx.split(model)
+
+    def pure_loss(p, x):
+        return loss(nnx.merge(graphdef, p), x)
+
+    forward = jax.make_jaxpr(pure_loss)(params, x)
+    backward = jax.make_jaxpr(jax.value_and_grad(pure_loss))(params, x)
+    check_program(forward, backward, policy.compute_dtype, nnx_island, f"nnx block {name}")
+    grads = nnx.grad(loss)(model, x)
+    assert {g.dtype for g in jax.tree.leaves(nnx.state(grads))} == {policy.param_dtype}
+    assert nnx.jit(loss)(model, x).dtype == policy.output_dtype
+
+
+@pytest.mark.standard_promotion  # optax's adam / Flax's LayerNorm in bf16
+def test_batch_stats_stay_float32_and_match_a_float32_reference():
+    policy = jmp.get_policy("mixed_float16")
+    model = LinenCNN()
+    mixed = jmp.linen.mixed_precision(model, policy)
+    x = jax.random.normal(jax.random.key(1), (16, 8, 8, 3))
+    y = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    variables = mixed.init(jax.random.key(0), x)
+    state = train_state.TrainState.create(
+        apply_fn=mixed.apply,
+        params=variables["params"],
+        tx=jmp.loss_scaling(optax.adam(1e-2), jmp.DynamicLossScale(2.0**15)),
+    )
+    is_conv = lambda mdl, method: isinstance(mdl, nn.Conv)  # noqa: E731
+
+    @jax.jit
+    def step(state, batch_stats, x):
+        scale = jmp.get_loss_scale(state)
+
+        def loss_fn(params):
+            logits, updates = state.apply_fn(
+                {"params": params, "batch_stats": batch_stats},
+                x,
+                mutable=["batch_stats", "intermediates"],
+                capture_intermediates=is_conv,
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            return scale.scale(loss), updates
+
+        grads, updates = jax.grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), updates["batch_stats"], updates["intermediates"]
+
+    stats = variables["batch_stats"]
+    reference = jax.tree.map(lambda s: np.asarray(s, np.float32), stats)
+    for i in range(20):
+        state, stats, inter = step(state, stats, jax.random.normal(jax.random.key(10 + i), x.shape))
+        for layer in ("0", "1"):
+            # BatchNorm_k normalises Conv_k's half-precision output.
+            conv_out = np.asarray(inter[f"Conv_{layer}"]["__call__"][0], np.float32)
+            mean = conv_out.mean(axis=(0, 1, 2))
+            var = (conv_out**2).mean(axis=(0, 1, 2)) - mean**2
+            ref = reference[f"BatchNorm_{layer}"]
+            ref["mean"] = np.float32(0.9) * ref["mean"] + np.float32(0.1) * mean
+            ref["var"] = np.float32(0.9) * ref["var"] + np.float32(0.1) * var
+    assert {s.dtype for s in jax.tree.leaves(stats)} == {F32}
+    chex.assert_trees_all_close(stats, reference, rtol=1e-4, atol=1e-5)
+    assert int(jmp.find_loss_scaling_state(state).applied_steps) >= 18
+
+
+def _synthetic_task():
+    kx, kw = jax.random.split(jax.random.key(42))
+    x = jax.random.normal(kx, (256, 6, 16))
+    w = jax.random.normal(kw, (16, 4))
+    y = jnp.argmax(x.mean(axis=1) @ w, axis=-1)
+    return x, y
+
+
+def _train_linen(policy_name, steps=60):
+    x, y = _synthetic_task()
+    policy = jmp.get_policy(policy_name)
+    mixed = jmp.linen.mixed_precision(LinenBlock(), policy)
+    params = mixed.init(jax.random.key(0), x[:2])["params"]
+    scale = (
+        jmp.DynamicLossScale(2.0**15)
+        if policy.compute_dtype == jnp.float16
+        else jmp.NoOpLossScale()
+    )
+    tx = jmp.loss_scaling(optax.adam(3e-3), scale)
+    opt_state = tx.init(params)
+
+    def loss_fn(params):
+        logits = mixed.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def step(params, opt_state):
+        s = jmp.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: s.scale(loss_fn(p)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state)
+    # Judge every run by the same float32 evaluation of its master weights.
+    return float(
+        optax.softmax_cross_entropy_with_integer_labels(
+            LinenBlock().apply({"params": params}, x), y
+        ).mean()
+    )
+
+
+@pytest.mark.standard_promotion  # optax's adam mixes int32 and float
+def test_training_parity_linen():
+    losses = {name: _train_linen(name) for name in ("float32", *HALF_POLICIES)}
+    print(f"\nfinal float32-evaluated losses: {losses}")
+    for name in HALF_POLICIES:
+        assert abs(losses[name] - losses["float32"]) <= 0.02 * losses["float32"], losses
+    assert losses["float32"] < 0.8  # it learned (chance is log(4) = 1.39)
+
+
+@pytest.mark.standard_promotion
+def test_nnx_optimizer_with_loss_scaling_and_parity():
+    x, y = _synthetic_task()
+    losses = {}
+    for name in ("float32", "mixed_float16"):
+        model = jmp.nnx.mixed_precision(NNXBlock(rngs=nnx.Rngs(0)), jmp.get_policy(name))
+        optimizer = nnx.Optimizer(
+            model, jmp.loss_scaling(optax.adam(3e-3), jmp.DynamicLossScale(2.0**15)), wrt=nnx.Param
+        )
+
+        @nnx.jit
+        def step(model, optimizer):
+            scale = jmp.get_loss_scale(optimizer)
+
+            def loss_fn(model):
+                loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+                return scale.scale(loss)
+
+            grads = nnx.grad(loss_fn)(model)
+            optimizer.update(model, grads)
+
+        for _ in range(60):
+            step(model, optimizer)
+        reference = NNXBlock(rngs=nnx.Rngs(0))
+        nnx.update(reference, nnx.state(model, nnx.Param))  # float32 evaluation
+        losses[name] = float(
+            optax.softmax_cross_entropy_with_integer_labels(reference(x), y).mean()
+        )
+        assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {F32}
+    print(f"\nNNX final losses: {losses}")
+    assert abs(losses["mixed_float16"] - losses["float32"]) <= 0.02 * losses["float32"]
+
+
+def test_parameter_tree_unchanged_and_float32_checkpoint_loads():
+    x = jnp.ones((2, 5, 16))
+    plain = LinenBlock().init(jax.random.key(0), x)
+    mixed = jmp.linen.mixed_precision(LinenBlock(), jmp.get_policy("mixed_float16"))
+    assert jax.tree.structure(mixed.init(jax.random.key(0), x)) == jax.tree.structure(plain)
+    out = mixed.apply(plain, x)  # a float32 "checkpoint" loads as is
+    chex.assert_trees_all_close(out, LinenBlock().apply(plain, x), atol=2e-2)
+
+    model = NNXBlock(rngs=nnx.Rngs(0))
+    before = nnx.state(model)
+    jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
+    after = nnx.state(model)
+    assert jax.tree.structure(before) == jax.tree.structure(after)
+    chex.assert_trees_all_equal(before, after)
+    fresh = NNXBlock(rngs=nnx.Rngs(1))
+    nnx.update(model, nnx.state(fresh))  # load a float32 model's state
+    assert model(x).dtype == F32
+
+
+@pytest.mark.standard_promotion  # optax's adam / Flax's LayerNorm in bf16
+def test_path_and_regex_overrides_linen():
+    f32 = jmp.get_policy("float32")
+    x = jnp.ones((2, 5, 16))
+    mixed = jmp.linen.mixed_precision(
+        LinenBlock(), jmp.get_policy("mixed_bfloat16"), {re.compile(r"Dense_\d"): f32}
+    )
+    variables = mixed.init(jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(lambda v: mixed.apply(v, x))(variables)
+    for eqn in iter_equations(jaxpr):
+        if eqn.primitive.name == "dot_general":
+            in_dense = re.search(r"LinenBlock/Dense_\d", str(eqn.source_info.name_stack))
+            expected = F32 if in_dense else jnp.dtype(jnp.bfloat16)
+            assert {v.aval.dtype for v in eqn.invars} == {expected}, eqn
+    # Without NORMS_IN_FLOAT32, LayerNorm follows the policy (its statistics in
+    # float32 all the same: Flax reduces in float32 by default).
+
+
+def test_nnx_path_override_and_nesting():
+    model = NNXBlock(rngs=nnx.Rngs(0))
+    jmp.nnx.mixed_precision(
+        model, jmp.get_policy("mixed_float16"), {"attn": jmp.get_policy("float32")}
+    )
+    assert model.attn.dtype == F32 and model.attn.query.dtype == F32  # inherited
+    assert model.up.dtype == jnp.float16 and model.norm1.dtype == jnp.float16
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        ({3: jmp.get_policy("float32")}, TypeError, "key of `overrides`"),
+        ({nn.Dense(3): jmp.get_policy("float32")}, TypeError, "key of `overrides`"),
+        ({int: jmp.get_policy("float32")}, TypeError, "key of `overrides`"),
+        ({"head": "float32"}, TypeError, r"Policy .* for `overrides\['head'\]`"),
+        ([], TypeError, "mapping"),
+    ],
+)
+def test_bad_overrides(overrides, error, match):
+    with pytest.raises(error, match=match):
+        jmp.linen.mixed_precision(LinenBlock(), jmp.get_policy("mixed_float16"), overrides)
+    with pytest.raises(error, match=match):
+        jmp.nnx.mixed_precision(
+            NNXBlock(rngs=nnx.Rngs(0)), jmp.get_policy("mixed_float16"), overrides
+        )
+
+
+def test_bad_policy_and_module():
+    with pytest.raises(TypeError, match="`policy`"):
+        jmp.linen.mixed_precision(LinenBlock(), "mixed_float16")
+    with pytest.raises(TypeError, match="`module`"):
+        jmp.linen.mixed_precision(NNXBlock(rngs=nnx.Rngs(0)), jmp.get_policy("float32"))
+    with pytest.raises(TypeError, match="`model`"):
+        jmp.nnx.mixed_precision(LinenBlock(), jmp.get_policy("float32"))
+
+
+def test_unmatched_pattern_warns():
+    mixed = jmp.linen.mixed_precision(
+        LinenBlock(), jmp.get_policy("mixed_float16"), {"*/nothing": jmp.get_policy("float32")}
+    )
+    with pytest.warns(UserWarning, match="'\\*/nothing' matches no module"):
+        mixed.init(jax.random.key(0), jnp.ones((1, 3, 16)))
+    with pytest.warns(UserWarning, match="'decoder' matches no module"):
+        jmp.nnx.mixed_precision(
+            NNXBlock(rngs=nnx.Rngs(0)),
+            jmp.get_policy("mixed_float16"),
+            {"decoder": jmp.get_policy("float32")},
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jmp.linen.mixed_precision(
+            LinenBlock(), jmp.get_policy("mixed_float16"), {"head": jmp.get_policy("float32")}
+        ).init(jax.random.key(0), jnp.ones((1, 3, 16)))
