@@ -5,7 +5,10 @@ transform, Flax integration, autocast and diagnostics.
 """
 
 from jmp_policy import linen, nnx
-from jmp_policy.census import Census, precision_census
+from jmp_policy.autocast import ALLOW as AUTOCAST_ALLOW
+from jmp_policy.autocast import DENY as AUTOCAST_DENY
+from jmp_policy.autocast import autocast, full_precision
+from jmp_policy.census import Census, PrecisionReport, precision_census, precision_report
 from jmp_policy.diagnostics import (
     LossScalingReport,
     NonFiniteLossError,
@@ -33,20 +36,25 @@ from jmp_policy.transform import (
 __version__ = "0.1.0"
 
 __all__ = (
+    "AUTOCAST_ALLOW",
+    "AUTOCAST_DENY",
     "Census",
     "DynamicLossScale",
     "LossScale",
     "LossScalingReport",
     "LossScalingState",
     "NonFiniteLossError",
+    "PrecisionReport",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
     "all_finite",
+    "autocast",
     "cast_to_full",
     "check_loss_scaling",
     "cast_to_half",
     "find_loss_scaling_state",
+    "full_precision",
     "get_loss_scale",
     "get_policy",
     "half_dtype",
@@ -57,5 +65,6 @@ __all__ = (
     "loss_scaling_report",
     "nonfinite_paths",
     "precision_census",
+    "precision_report",
     "select_tree",
 )

@@ -50,3 +50,14 @@ def test_linen_cnn_example_fast():
 
 def test_nnx_transformer_example_fast():
     assert load("examples/nnx_transformer.py").main(["--steps", "60"]) > 0.6
+
+
+def test_autocast_example_fast():
+    assert load("examples/autocast_flax.py").main(["--steps", "60"]) > 0.7
+
+
+def test_autocast_benchmark_runs():
+    text = load("benchmarks/bench_autocast.py").main(
+        ["--dim", "16", "--batch", "2", "--rounds", "1", "--repeats", "1"]
+    )
+    assert "jmp_policy.autocast" in text

@@ -1,0 +1,470 @@
+"""autocast: torch.amp's allow/deny op lists as a JAX function transform.
+
+`autocast(fun, policy)` traces `fun` once per input signature and re-evaluates
+its program with casts:
+
+- allow-listed primitives (matmuls, convolutions) get compute-dtype operands;
+- deny-listed primitives (exp, log, pow, sqrt/rsqrt, erf, logistic, sums,
+  products and cumulative sums: what softmax, logsumexp, normalisation
+  statistics and losses lower to) run in float32;
+- everything else runs in the widest floating dtype among its (non-weak)
+  floating operands (torch's "promote"); integer, bool and key values are never
+  touched;
+- the floating outputs are cast to `output_dtype`.
+
+Nested `jit` is inlined; `scan`, `while_loop`, `cond`/`switch` and
+`jax.checkpoint` are rebuilt with their bodies autocast (loop carries keep the
+dtype of their initial value, branches agree on the widest dtype); functions
+with custom derivatives (`custom_jvp`, `custom_vjp`) run as traced, so their
+rules are kept exactly. `full_precision(fun)` marks a float32 region, and an
+inner `autocast` with another policy is kept as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from jmp_policy.policy import Policy, get_policy
+
+try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
+    from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover
+    _source_info = None
+
+ALLOW = frozenset({"dot_general", "conv_general_dilated", "ragged_dot"})
+"""Primitives that run in the compute dtype (torch.amp's "lower precision" list)."""
+
+DENY = frozenset(
+    {
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "expm1",
+        "pow",
+        "integer_pow",
+        "square",
+        "sqrt",
+        "rsqrt",
+        "cbrt",
+        "logistic",
+        "erf",
+        "erfc",
+        "erf_inv",
+        "lgamma",
+        "digamma",
+        "reduce_sum",
+        "reduce_prod",
+        "cumsum",
+        "cumprod",
+        "cumlogsumexp",
+    }
+)
+"""Primitives that run in float32 (torch.amp's "float32" list, as JAX lowers it)."""
+
+# Primitives whose bodies are rewritten by rebuilding them with public APIs.
+_STRUCTURAL = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "scan", "while", "cond", "remat2", "checkpoint"}
+)
+# Regions made by autocast/full_precision: kept as they are when nested.
+_REGION_NAMES = ("jmp_autocast_region", "jmp_full_precision_region")
+_FLOAT32 = np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+    compute: np.dtype
+    output: np.dtype
+    allow: frozenset
+    deny: frozenset
+
+
+def _known_primitives() -> frozenset:
+    names = set()
+    for module in (lax, jax.lax):
+        for value in vars(module).values():
+            if isinstance(value, jcore.Primitive):
+                names.add(value.name)
+    return frozenset(names)
+
+
+def _check_names(names: Any, argument: str) -> frozenset:
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(
+            f"Expected a collection of primitive names (e.g. {{'dot_general'}}) for `{argument}`, "
+            f"got {names!r}."
+        )
+    names = frozenset(names)
+    bad = sorted(n for n in names if not isinstance(n, str))
+    if bad:
+        raise TypeError(f"Expected primitive names (strings) in `{argument}`, got {bad!r}.")
+    unknown = sorted(names - _known_primitives() - ALLOW - DENY)
+    if unknown:
+        raise ValueError(
+            f"Unknown primitive name(s) {unknown} in `{argument}`: use names as they appear in "
+            "a jaxpr (`jax.make_jaxpr(f)(x)`), e.g. 'dot_general', 'exp', 'reduce_sum', or the "
+            "names in jmp_policy.autocast.ALLOW / DENY."
+        )
+    return names
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    if _is_float(x) and x.dtype != dtype:
+        return lax.convert_element_type(x, dtype)
+    return x
+
+
+def _cast_like_avals(values: list, avals: Iterable) -> list:
+    """Casts floating values back to the dtypes a sub-program was traced with."""
+    return [
+        _cast(v, a.dtype) if hasattr(a, "dtype") else v for v, a in zip(values, avals, strict=True)
+    ]
+
+
+def _widest(dtypes: list) -> Any:
+    return max(dtypes, key=lambda d: jnp.finfo(d).bits)
+
+
+def _bind(eqn: Any, invals: list, **param_updates) -> list:
+    # As jax.core.eval_jaxpr does; keeping the equation's name stack means the
+    # rewritten program still says which (Flax) module each op belongs to.
+    params = eqn.primitive.get_bind_params({**eqn.params, **param_updates})
+    with _source_context(eqn):
+        outs = eqn.primitive.bind(*invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _source_context(eqn: Any):
+    if _source_info is None:
+        return contextlib.nullcontext()
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    return _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def _eval_jaxpr(jaxpr: Any, consts: list, args: list, rules: _Rules) -> list:
+    env: dict = {}
+
+    def read(v):
+        if isinstance(v, jcore.Literal):
+            return np.asarray(v.val, v.aval.dtype) if hasattr(v.aval, "dtype") else v.val
+        return env[v]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        outs = _eval_equation(eqn, invals, rules)
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_closed(closed: Any, args: list, rules: _Rules) -> list:
+    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), rules)
+
+
+def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
+    name = eqn.primitive.name
+    if name in _STRUCTURAL:
+        return _eval_structural(eqn, invals, rules)
+    has_subprogram = bool(list(jcore.jaxprs_in_params(eqn.params)))
+    if (
+        has_subprogram
+        or name in ("custom_jvp_call", "custom_vjp_call", "bitcast_convert_type")
+        or ("callback" in name)
+    ):
+        if name == "shard_map":
+            raise NotImplementedError(
+                "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
+                "function instead (shard_map(autocast(f, policy), ...))."
+            )
+        # Run as traced: custom derivative rules and typed callbacks stay exact.
+        return _bind(eqn, _cast_like_avals(invals, [v.aval for v in eqn.invars]))
+    floating = [i for i, x in enumerate(invals) if _is_float(x)]
+    if not floating:
+        return _bind(eqn, invals)
+    if name in rules.allow:
+        target = rules.compute
+        invals = [_cast(x, target) for x in invals]
+        if (
+            "preferred_element_type" in eqn.params
+            and eqn.params["preferred_element_type"] is not None
+        ):
+            # Output in the compute dtype: its backward matmuls stay in it too
+            # (GPUs accumulate half-precision matmuls in float32 regardless).
+            return _bind(eqn, invals, preferred_element_type=target)
+        return _bind(eqn, invals)
+    if name in rules.deny:
+        return _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+    strong = [
+        invals[i].dtype for i in floating if not getattr(eqn.invars[i].aval, "weak_type", False)
+    ]
+    if not strong:
+        return _bind(eqn, invals)
+    target = _widest(strong)
+    return _bind(eqn, [_cast(x, target) for x in invals])
+
+
+def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
+    name, params = eqn.primitive.name, eqn.params
+    if name in ("jit", "pjit", "closed_call", "core_call"):
+        inner = params.get("jaxpr", params.get("call_jaxpr"))
+        if params.get("name", "").startswith(_REGION_NAMES):
+            return _bind(eqn, _cast_like_avals(invals, inner.in_avals))
+        return (
+            _eval_closed(inner, invals, rules)
+            if hasattr(inner, "consts")
+            else _eval_jaxpr(inner, [], invals, rules)
+        )
+    if name == "scan":
+        return _eval_scan(params, invals, rules)
+    if name == "while":
+        return _eval_while(params, invals, rules)
+    if name == "cond":
+        return _eval_cond(params, invals, rules)
+    # remat2 / checkpoint: an open jaxpr without consts.
+    body = functools.partial(_eval_jaxpr, params["jaxpr"], [], rules=rules)
+    return jax.checkpoint(
+        lambda *a: body(list(a)), prevent_cse=params["prevent_cse"], policy=params["policy"]
+    )(*invals)
+
+
+def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts, init, xs = (
+        invals[:n_consts],
+        invals[n_consts : n_consts + n_carry],
+        invals[n_consts + n_carry :],
+    )
+
+    def body(carry, x):
+        outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], rules)
+        new_carry = [_cast(o, c.dtype) for o, c in zip(outs[:n_carry], carry, strict=True)]
+        return new_carry, outs[n_carry:]
+
+    carry, ys = lax.scan(
+        body,
+        list(init),
+        list(xs),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _eval_while(params: dict, invals: list, rules: _Rules) -> list:
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+
+    def cond_fn(carry):
+        return _eval_closed(params["cond_jaxpr"], [*cond_consts, *carry], rules)[0]
+
+    def body_fn(carry):
+        outs = _eval_closed(params["body_jaxpr"], [*body_consts, *carry], rules)
+        return [_cast(o, c.dtype) for o, c in zip(outs, carry, strict=True)]
+
+    return list(lax.while_loop(cond_fn, body_fn, list(init)))
+
+
+def _eval_cond(params: dict, invals: list, rules: _Rules) -> list:
+    index, operands = invals[0], invals[1:]
+    branches = [functools.partial(_eval_closed, b, rules=rules) for b in params["branches"]]
+    shapes = [jax.eval_shape(lambda *a, f=f: f(list(a)), *operands) for f in branches]
+    dtypes = [
+        _widest([s[i].dtype for s in shapes])
+        if jnp.issubdtype(shapes[0][i].dtype, jnp.floating)
+        else None
+        for i in range(len(shapes[0]))
+    ]
+
+    def agreeing(f):
+        def run(*a):
+            outs = f(list(a))
+            return [o if d is None else _cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
+
+        return run
+
+    return list(lax.switch(index, [agreeing(f) for f in branches], *operands))
+
+
+class _Autocast:
+    """The function `autocast` returns; caches one program per input signature."""
+
+    def __init__(self, fun, rules, static_argnums, static_argnames, cast_inputs, region_name):
+        functools.update_wrapper(self, fun)
+        self._fun = fun
+        self._rules = rules
+        self._static_argnums = static_argnums
+        self._static_argnames = static_argnames
+        self._cast_inputs = cast_inputs
+        self._region_name = region_name
+        self._cache: dict = {}
+
+    def _program(self, args, kwargs):
+        static_args = tuple((i, args[i]) for i in self._static_argnums if i < len(args))
+        static_kwargs = tuple(sorted((k, kwargs[k]) for k in self._static_argnames if k in kwargs))
+        dyn_args = [a for i, a in enumerate(args) if i not in self._static_argnums]
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
+        flat, in_tree = jax.tree.flatten((dyn_args, dyn_kwargs))
+        specs = tuple(
+            jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x), weak_type=_weak(x))
+            for x in flat
+        )
+        key = (in_tree, specs, static_args, static_kwargs)
+        if key not in self._cache:
+            self._cache[key] = self._build(
+                in_tree, specs, dict(static_args), dict(static_kwargs), len(args)
+            )
+        return flat, self._cache[key]
+
+    def _build(self, in_tree, specs, static_args, static_kwargs, n_args):
+        def flat_fun(*flat):
+            dyn_args, dyn_kwargs = jax.tree.unflatten(in_tree, flat)
+            dyn = iter(dyn_args)
+            full = [static_args[i] if i in static_args else next(dyn) for i in range(n_args)]
+            return self._fun(*full, **dyn_kwargs, **static_kwargs)
+
+        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*specs)
+        out_tree = jax.tree.structure(out_shape)
+        rules, cast_inputs = self._rules, self._cast_inputs
+
+        def region(*flat):
+            if cast_inputs:
+                flat = [_cast(x, rules.compute) for x in flat]
+            outs = _eval_closed(closed, list(flat), rules)
+            return [_cast(o, rules.output) for o in outs]
+
+        region.__name__ = region.__qualname__ = self._region_name
+        return jax.jit(region), out_tree, closed
+
+    def __call__(self, *args, **kwargs):
+        flat, (region, out_tree, _) = self._program(args, kwargs)
+        return jax.tree.unflatten(out_tree, region(*flat))
+
+    def traced_program(self, *args, **kwargs):
+        """The program as traced, before casts (for reports and debugging)."""
+        return self._program(args, kwargs)[1][2]
+
+
+def _weak(x: Any) -> bool:
+    return bool(
+        getattr(x, "weak_type", isinstance(x, (int, float, complex)) and not isinstance(x, bool))
+    )
+
+
+def _static(values: Any, argument: str) -> tuple:
+    if values is None:
+        return ()
+    values = (values,) if isinstance(values, (int, str)) else tuple(values)
+    return values
+
+
+def autocast(
+    fun: Callable,
+    policy: Policy | str = "mixed_float16",
+    *,
+    allow: Iterable[str] = ALLOW,
+    deny: Iterable[str] = DENY,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+) -> Callable:
+    """Runs `fun` with matmuls in half precision and fragile ops in float32.
+
+    The rewrite happens on the traced program, so `fun` (a Flax `apply`, a loss
+    function, anything) needs no change. The returned function takes and
+    returns the same pytrees as `fun`, works under `jit`, `grad` (gradients come
+    back in the dtype of the inputs they belong to) and `vmap`, and caches one
+    program per input signature.
+
+    Matmul outputs are in the compute dtype (`preferred_element_type` is set to
+    it): GPUs and TPUs accumulate half-precision matmuls in float32 anyway, and
+    a float32 output would make the backward matmuls mix dtypes.
+
+    Args:
+      fun: the function to run.
+      policy: a `Policy` or a policy string; its `compute_dtype` is used for
+        the allow-listed ops and its `output_dtype` for the outputs.
+      allow: primitive names run in the compute dtype (default `ALLOW`).
+      deny: primitive names run in float32 (default `DENY`), e.g.
+        `DENY | {"tanh"}` keeps `tanh` in float32 too.
+      static_argnums: positions of arguments that are static (hashable).
+      static_argnames: names of keyword arguments that are static.
+
+    Returns:
+      The autocast function.
+
+    Raises:
+      TypeError/ValueError: a bad policy, or unknown primitive names in `allow`/`deny`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> def f(w, x):
+      ...     return jax.nn.logsumexp(x @ w)
+      >>> g = jmp.autocast(f, "mixed_bfloat16")
+      >>> g(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
+      dtype('float32')
+      >>> jmp.precision_census(g, jnp.ones((3, 2)), jnp.ones((4, 3))).counts["dot_general"]
+      {'bfloat16': 1}
+    """
+    policy = get_policy(policy) if isinstance(policy, str) else policy
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            "Expected a jmp_policy.Policy or a policy string for `policy`, got "
+            f"{type(policy).__name__}."
+        )
+    if not callable(fun):
+        raise TypeError(f"Expected a callable for `fun`, got {type(fun).__name__}.")
+    allow, deny = _check_names(allow, "allow"), _check_names(deny, "deny")
+    both = sorted(allow & deny)
+    if both:
+        raise ValueError(f"Primitives {both} are in both `allow` and `deny`; pick one.")
+    rules = _Rules(policy.compute_dtype, policy.output_dtype, allow, deny)
+    return _Autocast(
+        fun,
+        rules,
+        _static(static_argnums, "static_argnums"),
+        _static(static_argnames, "static_argnames"),
+        cast_inputs=False,
+        region_name="jmp_autocast_region",
+    )
+
+
+def full_precision(fun: Callable) -> Callable:
+    """Marks `fun` as a float32 region, inside `autocast` or anywhere else.
+
+    The source guide's `with autocast(enabled=False): x = layer_norm(x.float())`:
+    floating inputs are cast to float32 and every operation of `fun` runs in
+    float32; an enclosing `autocast` leaves the region as it is.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> def f(w, x):
+      ...     return jmp.full_precision(lambda a: a @ w)(x) + x @ w
+      >>> w = x = jnp.ones((2, 2))
+      >>> jmp.precision_census(jmp.autocast(f), w, x).counts["dot_general"]
+      {'float16': 1, 'float32': 1}
+    """
+    if not callable(fun):
+        raise TypeError(f"Expected a callable for `fun`, got {type(fun).__name__}.")
+    rules = _Rules(_FLOAT32, _FLOAT32, frozenset(ALLOW), frozenset(DENY))
+    return _Autocast(fun, rules, (), (), cast_inputs=True, region_name="jmp_full_precision_region")
