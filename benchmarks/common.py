@@ -22,6 +22,9 @@ def median_seconds(fn, *args, repeats=30, warmup=3):
 def interleaved_medians(fns: dict, args: dict, rounds=5, repeats=10):
     """Medians over interleaved rounds, so machine noise hits every candidate alike."""
     samples = {name: [] for name in fns}
+    for name, fn in fns.items():  # first calls may retrace (weak types settling)
+        for _ in range(3):
+            jax.block_until_ready(fn(*args[name]))
     for _ in range(rounds):
         for name, fn in fns.items():
             samples[name].append(median_seconds(fn, *args[name], repeats=repeats, warmup=1))

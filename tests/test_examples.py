@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import sys
 
 import jax
 import pytest
@@ -11,8 +12,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def load(relative: str):
     path = ROOT / relative
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    name = f"_example_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -61,3 +64,37 @@ def test_autocast_benchmark_runs():
         ["--dim", "16", "--batch", "2", "--rounds", "1", "--repeats", "1"]
     )
     assert "jmp_policy.autocast" in text
+
+
+def test_demo_fast(tmp_path):
+    runs = load("examples/demo.py").main(
+        ["--steps", "12", "--val-batches", "2", "--quiet", "--out", str(tmp_path)]
+    )
+    assert [r.policy for r in runs] == ["float32", "mixed_float16", "mixed_bfloat16"]
+    assert runs[0].half_share == 0.0 and runs[1].half_share == 1.0 == runs[2].half_share
+    for name in ("loss_curves.png", "loss_scale.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_underflow_demo(tmp_path):
+    results = load("examples/underflow.py").main(["--out", str(tmp_path)])
+    reference = results["float32"]["losses"][-1]
+    assert results["float16, no loss scaling"]["underflow"] >= 0.5
+    assert results["float16, no loss scaling"]["losses"][-1] > 1.5 * reference  # it did not learn
+    scaled = results["float16 + dynamic loss scaling"]["losses"][-1]
+    assert abs(scaled - reference) <= 0.03 * reference
+    assert (tmp_path / "underflow.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_all_benchmarks_quick(tmp_path):
+    text = load("benchmarks/run_all.py").main(["--quick", "--out", str(tmp_path / "B.md")])
+    assert (tmp_path / "B.md").read_text() == text
+    for heading in ("all_finite", "Train step", "autocast vs hand-cast", "GPU"):
+        assert f"## {heading}" in text
+
+
+def test_gpu_benchmark_exits_cleanly_without_gpu(capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present")
+    assert load("benchmarks/gpu_transformer.py").main([]) is None
+    assert "No GPU here" in capsys.readouterr().out

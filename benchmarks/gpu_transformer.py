@@ -1,0 +1,149 @@
+"""GPU benchmark: a GPT-style transformer train step in float32, bfloat16 and float16.
+
+12 layers, d=768, 12 heads, sequence 1024 (GPT-2 small's shape), AdamW. Three
+configurations, each in its own process so peak memory is its own:
+
+- float32;
+- mixed_bfloat16 (float32 master weights, bfloat16 compute, float32 norms);
+- mixed_float16 + dynamic loss scaling (`jmp_policy.loss_scaling`).
+
+Reports tokens/s, peak device memory (`memory_stats()`) and the speedup over
+float32. Exits with a message on machines without a GPU.
+
+    python benchmarks/gpu_transformer.py [--batch 8] [--steps 20] [--layers 12]
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+CONFIGS = ("float32", "mixed_bfloat16", "mixed_float16")
+
+
+def measure(config, args):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import jmp_policy as jmp
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=args.heads)(h, h, mask=mask)
+            h = nn.LayerNorm()(x)
+            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(h)))
+
+    class GPT(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(args.vocab, args.dim)(tokens)
+            x = x + self.param("position", nn.initializers.normal(0.02), (args.length, args.dim))
+            mask = nn.make_causal_mask(tokens)
+            for _ in range(args.layers):
+                x = Block()(x, mask)
+            return nn.Dense(args.vocab)(nn.LayerNorm()(x))
+
+    policy = jmp.get_policy(config)
+    model = jmp.linen.mixed_precision(GPT(), policy)
+    tokens = jax.random.randint(jax.random.key(0), (args.batch, args.length + 1), 0, args.vocab)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    params = model.init(jax.random.key(1), x)["params"]
+    scale = jmp.DynamicLossScale(2.0**15) if config == "mixed_float16" else jmp.NoOpLossScale()
+    tx = jmp.loss_scaling(optax.adamw(1e-4), scale)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        s = jmp.get_loss_scale(opt_state)
+
+        def loss_fn(p):
+            logits = model.apply({"params": p}, x)
+            return s.scale(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
+
+        grads = jax.grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    params, opt_state = step(params, opt_state, x, y)  # compile
+    jax.block_until_ready(params)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        params, opt_state = step(params, opt_state, x, y)
+    jax.block_until_ready(params)
+    seconds = (time.perf_counter() - start) / args.steps
+    stats = jax.devices()[0].memory_stats() or {}
+    skipped = int(jmp.find_loss_scaling_state(opt_state).skipped_steps)
+    return {
+        "config": config,
+        "tokens_per_s": args.batch * args.length / seconds,
+        "step_ms": 1e3 * seconds,
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "skipped": skipped,
+        "device": jax.devices()[0].device_kind,
+    }
+
+
+def table(results) -> str:
+    base = next(r for r in results if r["config"] == "float32")
+    lines = [
+        f"GPT-style train step on {base['device']}",
+        "",
+        "| config | tokens/s | step ms | speedup vs float32 | peak memory GiB | memory vs float32 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['peak_gib']:.2f} | "
+            f"{r['peak_gib'] / base['peak_gib']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    import jax
+
+    if jax.default_backend() != "gpu":
+        print(
+            f"No GPU here (JAX backend: {jax.default_backend()}): the GPU benchmark needs one. Skipped."
+        )
+        return None
+    if args.one:
+        print(json.dumps(measure(args.one, args)))
+        return None
+    results = []
+    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    for config in CONFIGS:
+        out = subprocess.run(
+            [sys.executable, __file__, *passthrough, "--one", config],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    text = table(results)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
