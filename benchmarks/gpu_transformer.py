@@ -25,7 +25,6 @@ CONFIGS = ("float32", "mixed_bfloat16", "mixed_float16")
 def measure(config, args):
     import flax.linen as nn
     import jax
-    import jax.numpy as jnp
     import optax
 
     import jmp_policy as jmp

@@ -21,13 +21,13 @@ import argparse
 import dataclasses
 import pathlib
 import time
+from pydoc_data.topics import topics
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from pydoc_data.topics import topics
 from tqdm import tqdm
 
 import jmp_policy as jmp
