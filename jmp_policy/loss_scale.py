@@ -29,6 +29,8 @@ T = TypeVar("T")
 # The floor below which a scale may never go, whatever `min_loss_scale` says:
 # a zero scale would turn every unscaled gradient into inf or NaN.
 _TINY = float(np.finfo(np.float32).tiny)
+# all_finite adds leaves smaller than this together before reducing them.
+_GROUPED_LEAF_SIZE = 2**16
 
 
 def _floating(x: Any) -> bool:
@@ -405,9 +407,11 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """Returns a scalar bool: whether every floating leaf of `tree` is finite.
 
-    One reduction per leaf and one over their results: each leaf contributes
-    `sum(x * 0)`, which is NaN exactly when the leaf holds an inf or a NaN (a
-    plain sum could overflow from finite values). Non-floating
+    `x * 0` is NaN exactly where `x` is inf or NaN (a plain sum could overflow
+    from finite values). Small leaves of the same shape and dtype are added
+    together element-wise first, so there is one reduction per distinct shape
+    rather than one per leaf (kernel launches dominate for small leaves); large
+    leaves are reduced one by one, which needs no temporary buffer. Non-floating
     leaves are ignored; an empty tree is finite.
 
     Args:
@@ -427,9 +431,20 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
       >>> bool(jmp.all_finite({"step": jnp.int32(3)}))
       True
     """
-    leaves = [x for x in jax.tree.leaves(tree) if _floating(x)]
-    finite = jnp.isfinite(_nan_sums(leaves).sum()) if leaves else jnp.asarray(True)
-    return _agree(finite, axis_name)
+    groups: dict[tuple, list] = {}
+    for i, x in enumerate(jax.tree.leaves(tree)):
+        if _floating(x):
+            key = (x.shape, x.dtype) if x.size < _GROUPED_LEAF_SIZE else i
+            groups.setdefault(key, []).append(x * 0)
+    if not groups:
+        return _agree(jnp.asarray(True), axis_name)
+    partial_sums = []
+    for zeros in groups.values():
+        while len(zeros) > 1:  # a balanced tree of adds: XLA fuses it into one loop
+            pairs = range(0, len(zeros) - 1, 2)
+            zeros = [zeros[i] + zeros[i + 1] for i in pairs] + zeros[len(zeros) - len(zeros) % 2 :]
+        partial_sums.append(jnp.sum(zeros[0], dtype=jnp.float32))
+    return _agree(jnp.isfinite(jnp.stack(partial_sums).sum()), axis_name)
 
 
 def _nan_sums(leaves: list) -> jax.Array:
