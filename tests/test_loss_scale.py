@@ -337,3 +337,18 @@ def test_no_warnings_and_jmp_style_arguments():
         warnings.simplefilter("error")
         state = jmp.DynamicLossScale(2**15, 0, 5.0, 2.0, np.float32(0.5))
     assert state.period == 5 and state.min_loss_scale == 0.5
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, 64])
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_all_finite_grouped_leaves(count, bad):
+    f = jax.jit(jmp.all_finite)
+    small = [jnp.ones((3, 5)) * i for i in range(count)]
+    large = [jnp.ones((300, 300)), jnp.ones((2**16,), jnp.bfloat16)]
+    assert bool(f(small + large))
+    for position in {0, count // 2, count - 1}:
+        poisoned = list(small)
+        poisoned[position] = poisoned[position].at[2, 4].set(bad)
+        assert not bool(f(poisoned + large))
+    assert not bool(f(small + [large[0].at[299, 299].set(bad), large[1]]))
+    assert not bool(f(small + [large[0], large[1].at[0].set(bad)]))
