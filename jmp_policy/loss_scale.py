@@ -118,6 +118,8 @@ def _scale_leaf(value: Any, argument: str) -> Any:
 def _int_leaf(value: Any, argument: str) -> Any:
     if isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, bool):
         return jnp.asarray(value, jnp.int32)
+    if isinstance(value, (bool, numbers.Real)):
+        raise TypeError(f"Expected an integer for `{argument}`, got {value!r}.")
     dtype = getattr(value, "dtype", None)
     if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"Expected an int32 scalar for `{argument}`, got dtype {dtype}.")

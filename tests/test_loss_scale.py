@@ -316,6 +316,8 @@ def test_select_tree():
             "`min_loss_scale`",
         ),
         (lambda: jmp.DynamicLossScale(2.0, hysteresis=0), ValueError, "`hysteresis`"),
+        (lambda: jmp.DynamicLossScale(2.0, counter=1.5), TypeError, "`counter`"),
+        (lambda: jmp.DynamicLossScale(2.0, counter=jnp.float32(1)), TypeError, "`counter`"),
         (lambda: jmp.DynamicLossScale(2.0, warmup=1), TypeError, "`warmup`"),
         (
             lambda: jmp.DynamicLossScale(2.0).adjust(jnp.ones([2], bool)),
