@@ -370,10 +370,14 @@ def _weak(x: Any) -> bool:
     )
 
 
-def _static(values: Any, argument: str) -> tuple:
+def _static(values: Any, kind: type, argument: str) -> tuple:
     if values is None:
         return ()
     values = (values,) if isinstance(values, (int, str)) else tuple(values)
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+        raise TypeError(
+            f"Expected {kind.__name__} values (or one) for `{argument}`, got {values!r}."
+        )
     return values
 
 
@@ -441,8 +445,8 @@ def autocast(
     return _Autocast(
         fun,
         rules,
-        _static(static_argnums, "static_argnums"),
-        _static(static_argnames, "static_argnames"),
+        _static(static_argnums, int, "static_argnums"),
+        _static(static_argnames, str, "static_argnames"),
         cast_inputs=False,
         region_name="jmp_autocast_region",
     )

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_policy.policy import is_floating_array
+
 T = TypeVar("T")
 
 # The floor below which a scale may never go, whatever `min_loss_scale` says:
@@ -33,12 +35,6 @@ _TINY = float(np.finfo(np.float32).tiny)
 _GROUPED_LEAF_SIZE = 2**16
 
 
-def _floating(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-        x.dtype, jnp.floating
-    )
-
-
 def _at_least_float32(x: jax.Array) -> jax.Array:
     # float16 * 2**16 overflows and float16 / 2**16 underflows; float64 stays.
     # (Not `promote_types`: it refuses float16 -> float32 under strict promotion.)
@@ -46,13 +42,13 @@ def _at_least_float32(x: jax.Array) -> jax.Array:
 
 
 def _scale_floating(tree: T, scale: Any) -> T:
-    return jax.tree.map(lambda x: _at_least_float32(x) * scale if _floating(x) else x, tree)
+    return jax.tree.map(lambda x: _at_least_float32(x) * scale if is_floating_array(x) else x, tree)
 
 
 def _unscale_floating(tree: T, scale: Any) -> T:
     # Division rather than multiplication by 1/S: exactly rounded, and 1/S can
     # be a denormal that CPUs flush to zero.
-    return jax.tree.map(lambda x: _at_least_float32(x) / scale if _floating(x) else x, tree)
+    return jax.tree.map(lambda x: _at_least_float32(x) / scale if is_floating_array(x) else x, tree)
 
 
 def _positive_number(value: Any, argument: str, *, allow_zero: bool = False) -> float:
@@ -435,7 +431,7 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """
     groups: dict[tuple, list] = {}
     for i, x in enumerate(jax.tree.leaves(tree)):
-        if _floating(x):
+        if is_floating_array(x):
             key = (x.shape, x.dtype) if x.size < _GROUPED_LEAF_SIZE else i
             groups.setdefault(key, []).append(x * 0)
     if not groups:
@@ -473,7 +469,7 @@ def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
       {'a': Array(True, dtype=bool), 'b': Array(False, dtype=bool)}
     """
     leaves, treedef = jax.tree.flatten(tree)
-    positions = [i for i, x in enumerate(leaves) if _floating(x)]
+    positions = [i for i, x in enumerate(leaves) if is_floating_array(x)]
     flags = [jnp.asarray(True)] * len(leaves)
     if positions:
         ok = _agree(jnp.isfinite(_nan_sums([leaves[i] for i in positions])), axis_name)

@@ -71,7 +71,8 @@ def _normalise_dtype(value: Any, argument: str) -> np.dtype:
     return dtype
 
 
-def _is_floating_array(x: Any) -> bool:
+def is_floating_array(x: Any) -> bool:
+    """Whether `x` is a JAX or NumPy array (or NumPy scalar) of a floating dtype."""
     # Tracers are jax.Array instances, so this covers traced values too.
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
         x.dtype, jnp.floating
@@ -84,7 +85,7 @@ def _cast_floating(tree: T, dtype: np.dtype) -> T:
             if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
                 return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
             return x
-        if _is_floating_array(x) and x.dtype != dtype:
+        if is_floating_array(x) and x.dtype != dtype:
             return x.astype(dtype)
         # Already the target dtype: returned as is, so no convert op is traced.
         return x

@@ -282,6 +282,8 @@ def test_custom_op_lists():
         (dict(allow={"exp"}), ValueError, r"in both `allow` and `deny`"),
         (dict(policy="mixed_float61"), ValueError, "Unknown dtype"),
         (dict(policy=3), TypeError, "`policy`"),
+        (dict(static_argnums="x"), TypeError, "`static_argnums`"),
+        (dict(static_argnames=[1]), TypeError, "`static_argnames`"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
