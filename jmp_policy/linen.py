@@ -124,15 +124,21 @@ class MixedPrecisionModule:
     def _learn_paths(self, key, variables, args, kwargs):
         if key not in self._path_policies:
             record: dict[tuple[str, ...], Policy] = {}
-            self._run(
-                lambda: jax.eval_shape(
-                    lambda v, a, k: self.module.apply(v, *a, mutable=True, **k),
-                    variables,
-                    args,
-                    kwargs,
-                ),
-                record,
-            )
+            # Only arrays are traced; flags such as `train=False` and callables
+            # such as `capture_intermediates` are passed through as they are.
+            leaves, treedef = jax.tree.flatten((variables, args, kwargs))
+            is_array = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
+
+            def run(arrays):
+                given = iter(arrays)
+                full = [
+                    next(given) if array else x for x, array in zip(leaves, is_array, strict=True)
+                ]
+                v, a, k = jax.tree.unflatten(treedef, full)
+                return self.module.apply(v, *a, mutable=True, **k)
+
+            arrays = [x for x, array in zip(leaves, is_array, strict=True) if array]
+            self._run(lambda: jax.eval_shape(run, arrays), record)
             self._path_policies[key] = record
             self.overrides.warn_unmatched()
         return self._path_policies[key]
@@ -145,7 +151,7 @@ class MixedPrecisionModule:
         variables = self._run(
             lambda: self.module.init(rngs, *args, method=method, **kwargs), record
         )
-        self._path_policies.setdefault(_method_key(method), record)
+        self._path_policies.setdefault(_call_key(method, args, kwargs), record)
         self.overrides.warn_unmatched()
         variables = unfreeze(variables)
         if "params" in variables:
@@ -160,7 +166,7 @@ class MixedPrecisionModule:
         came in with (float32 batch statistics stay float32).
         """
         variables = unfreeze(variables)
-        path_policies = self._learn_paths(_method_key(method), variables, args, kwargs)
+        path_policies = self._learn_paths(_call_key(method, args, kwargs), variables, args, kwargs)
         cast_vars = dict(variables)
         if "params" in variables:
             cast_vars["params"] = self._cast_params(variables["params"], path_policies, "compute")
@@ -202,10 +208,24 @@ def _softmax_in_float32(module: nn.Module, policy: Policy) -> None:
         object.__setattr__(module, custom[1], lambda: _weights_in_value_dtype)
 
 
-def _method_key(method) -> Any:
-    return (
-        method if method is None or isinstance(method, str) else getattr(method, "__name__", method)
-    )
+def _call_key(method, args, kwargs) -> Any:
+    """What decides which modules a call reaches: the method, the arguments'
+    structure, array shapes and dtypes, and the values of everything else
+    (e.g. `train=False`)."""
+    if method is not None and not isinstance(method, str):
+        method = getattr(method, "__name__", method)
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    described = []
+    for leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            described.append((tuple(leaf.shape), str(leaf.dtype)))
+        else:
+            try:
+                hash(leaf)
+                described.append(leaf)
+            except TypeError:
+                described.append(type(leaf))
+    return method, treedef, tuple(described)
 
 
 def mixed_precision(

@@ -342,3 +342,27 @@ def test_unmatched_pattern_warns():
         jmp.linen.mixed_precision(
             LinenBlock(), jmp.get_policy("mixed_float16"), {"head": jmp.get_policy("float32")}
         ).init(jax.random.key(0), jnp.ones((1, 3, 16)))
+
+
+@pytest.mark.standard_promotion  # Flax's BatchNorm in inference mode mixes dtypes internally
+def test_apply_without_init_with_flags_and_callables():
+    """A checkpoint loaded straight into `apply`, in inference mode: the module
+    paths are learnt from that call (a flag and a callable among its arguments)."""
+    x = jnp.ones((2, 8, 8, 3))
+    variables = LinenCNN().init(jax.random.key(0), x)  # the float32 model's checkpoint
+    mixed = jmp.linen.mixed_precision(LinenCNN(), jmp.get_policy("mixed_float16"))
+    logits, inter = mixed.apply(
+        variables,
+        x,
+        train=False,
+        mutable=["intermediates"],
+        capture_intermediates=lambda mdl, method: isinstance(mdl, nn.BatchNorm),
+    )
+    assert logits.dtype == F32
+    # BatchNorm (an island) ran in float32 although this call never went through init.
+    assert {a.dtype for a in jax.tree.leaves(inter["intermediates"])} == {F32}
+    jaxpr = jax.make_jaxpr(lambda v: mixed.apply(v, x, train=False))(variables)
+    convs = [e for e in iter_equations(jaxpr) if e.primitive.name == "conv_general_dilated"]
+    assert convs and all(
+        {v.aval.dtype for v in e.invars} == {jnp.dtype(jnp.float16)} for e in convs
+    )
