@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jmp_policy.policy import Policy, get_policy
+from jmp_policy.policy import Policy, check_policy, get_policy
 
 try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
     from jax._src import source_info_util as _source_info
@@ -429,12 +429,7 @@ def autocast(
       >>> jmp.precision_census(g, jnp.ones((3, 2)), jnp.ones((4, 3))).counts["dot_general"]
       {'bfloat16': 1}
     """
-    policy = get_policy(policy) if isinstance(policy, str) else policy
-    if not isinstance(policy, Policy):
-        raise TypeError(
-            "Expected a jmp_policy.Policy or a policy string for `policy`, got "
-            f"{type(policy).__name__}."
-        )
+    policy = check_policy(get_policy(policy) if isinstance(policy, str) else policy)
     if not callable(fun):
         raise TypeError(f"Expected a callable for `fun`, got {type(fun).__name__}.")
     allow, deny = _check_names(allow, "allow"), _check_names(deny, "deny")

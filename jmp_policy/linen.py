@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax.core import unfreeze
 
 from jmp_policy.overrides import FLOAT32, Overrides
-from jmp_policy.policy import Policy
+from jmp_policy.policy import Policy, check_policy
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
     {
@@ -47,11 +47,7 @@ class MixedPrecisionModule:
             raise TypeError(
                 f"Expected a flax.linen.Module for `module`, got {type(module).__name__}."
             )
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                "Expected a jmp_policy.Policy (e.g. jmp_policy.get_policy('mixed_float16')) for "
-                f"`policy`, got {type(policy).__name__}."
-            )
+        check_policy(policy)
         self.module = module
         self.policy = policy
         self.overrides = Overrides(overrides, nn.Module)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_policy.overrides import FLOAT32, Overrides
-from jmp_policy.policy import Policy
+from jmp_policy.policy import Policy, check_policy
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
     {
@@ -97,11 +97,7 @@ def mixed_precision(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"Expected a flax.nnx.Module for `model`, got {type(model).__name__}.")
-    if not isinstance(policy, Policy):
-        raise TypeError(
-            "Expected a jmp_policy.Policy (e.g. jmp_policy.get_policy('mixed_float16')) for "
-            f"`policy`, got {type(policy).__name__}."
-        )
+    check_policy(policy)
     rules = Overrides(overrides, nnx.Module)
     modules = {
         tuple(str(p) for p in path): node

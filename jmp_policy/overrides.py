@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from jmp_policy.policy import Policy, get_policy
+from jmp_policy.policy import Policy, check_policy, get_policy
 
 FLOAT32 = get_policy("float32")
 
@@ -32,11 +32,7 @@ class Overrides:
         self.classes: list[tuple[type, Policy]] = []
         self.patterns: list[tuple[Any, Policy]] = []
         for key, policy in overrides.items():
-            if not isinstance(policy, Policy):
-                raise TypeError(
-                    f"Expected a jmp_policy.Policy (e.g. jmp_policy.get_policy('float32')) for "
-                    f"`{argument}[{key!r}]`, got {type(policy).__name__}."
-                )
+            check_policy(policy, f"{argument}[{key!r}]")
             if isinstance(key, type) and issubclass(key, module_base):
                 self.classes.append((key, policy))
             elif isinstance(key, (str, re.Pattern)):

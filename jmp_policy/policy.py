@@ -251,6 +251,16 @@ def get_policy(policy_name: str) -> Policy:
     return Policy(params, compute, output)
 
 
+def check_policy(policy: Any, argument: str = "policy") -> Policy:
+    """Returns `policy` if it is a `Policy`, else raises a TypeError naming `argument`."""
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            "Expected a jmp_policy.Policy (e.g. jmp_policy.get_policy('mixed_float16')) for "
+            f"`{argument}`, got {type(policy).__name__}."
+        )
+    return policy
+
+
 def cast_to_full(tree: T) -> T:
     """Casts the floating leaves of `tree` to float32."""
     return _cast_floating(tree, np.dtype(np.float32))
