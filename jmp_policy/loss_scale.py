@@ -405,12 +405,14 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """Returns a scalar bool: whether every floating leaf of `tree` is finite.
 
-    `x * 0` is NaN exactly where `x` is inf or NaN (a plain sum could overflow
-    from finite values). Small leaves of the same shape and dtype are added
-    together element-wise first, so there is one reduction per distinct shape
-    rather than one per leaf (kernel launches dominate for small leaves); large
-    leaves are reduced one by one, which needs no temporary buffer. Non-floating
-    leaves are ignored; an empty tree is finite.
+    `x - x` is NaN exactly where `x` is inf or NaN (a plain sum could overflow
+    from finite values; `x * 0` is wrong under `jit`, where XLA folds
+    `(y * 4) * 0` into `y * 0`, which is 0 for a `y * 4` that overflows). Small
+    leaves of the same shape and dtype are added together element-wise first,
+    so there is one reduction per distinct shape rather than one per leaf
+    (kernel launches dominate for small leaves); large leaves are reduced one
+    by one, which needs no temporary buffer. Non-floating leaves are ignored;
+    an empty tree is finite.
 
     Args:
       tree: any pytree.
@@ -433,21 +435,22 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     for i, x in enumerate(jax.tree.leaves(tree)):
         if is_floating_array(x):
             key = (x.shape, x.dtype) if x.size < _GROUPED_LEAF_SIZE else i
-            groups.setdefault(key, []).append(x * 0)
+            groups.setdefault(key, []).append(x)
     if not groups:
         return _agree(jnp.asarray(True), axis_name)
-    partial_sums = []
-    for zeros in groups.values():
-        while len(zeros) > 1:  # a balanced tree of adds: XLA fuses it into one loop
-            pairs = range(0, len(zeros) - 1, 2)
-            zeros = [zeros[i] + zeros[i + 1] for i in pairs] + zeros[len(zeros) - len(zeros) % 2 :]
-        partial_sums.append(jnp.sum(zeros[0], dtype=jnp.float32))
-    return _agree(jnp.isfinite(jnp.stack(partial_sums).sum()), axis_name)
+    flags = []
+    for leaves in groups.values():
+        nans = [x - x for x in leaves]
+        while len(nans) > 1:  # a balanced tree of adds: XLA fuses it into one loop
+            pairs = range(0, len(nans) - 1, 2)
+            nans = [nans[i] + nans[i + 1] for i in pairs] + nans[len(nans) - len(nans) % 2 :]
+        flags.append(_sum_is_finite(nans[0]))
+    return _agree(jnp.stack(flags).all(), axis_name)
 
 
-def _nan_sums(leaves: list) -> jax.Array:
-    # x * 0 is NaN exactly where x is inf or NaN; XLA fuses it into the sum.
-    return jnp.stack([jnp.sum(x * 0, dtype=jnp.float32) for x in leaves])
+def _sum_is_finite(nans: jax.Array) -> jax.Array:
+    # `nans` holds only zeros and NaNs: the sum is NaN exactly when one is.
+    return jnp.isfinite(jnp.sum(nans, dtype=jnp.float32))
 
 
 def _agree(finite: jax.Array, axis_name: Any) -> jax.Array:
@@ -472,7 +475,8 @@ def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
     positions = [i for i, x in enumerate(leaves) if is_floating_array(x)]
     flags = [jnp.asarray(True)] * len(leaves)
     if positions:
-        ok = _agree(jnp.isfinite(_nan_sums([leaves[i] for i in positions])), axis_name)
+        nan_sums = [_sum_is_finite(leaves[i] - leaves[i]) for i in positions]
+        ok = _agree(jnp.stack(nan_sums), axis_name)
         for j, i in enumerate(positions):
             flags[i] = ok[j]
     return jax.tree.unflatten(treedef, flags)

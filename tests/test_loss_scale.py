@@ -252,6 +252,22 @@ def test_all_finite():
     assert bool(f([jnp.ones(3), np.ones(2, np.float32)]))
 
 
+@pytest.mark.parametrize("size", [3, 2**17])  # grouped and reduced one by one
+def test_finite_checks_see_overflow_of_a_scaled_value(size):
+    # Under jit XLA folds `(y * 4) * 0` into `y * 0`: a check built on `x * 0`
+    # called 3e38 * 4 (= inf) finite. Unscaling by a static 0.25 is that `* 4`.
+    y = jnp.full((size,), 3e38)
+
+    def checks(y):
+        x = jmp.StaticLossScale(0.25).unscale(y)
+        return jmp.all_finite([x, jnp.ones(3)]), jmp.leaf_finite_flags([x, jnp.ones(3)])
+
+    finite, flags = jax.jit(checks)(y)
+    assert not bool(finite) and [bool(f) for f in flags] == [False, True]
+    finite, flags = jax.jit(checks)(y / 8)
+    assert bool(finite) and [bool(f) for f in flags] == [True, True]
+
+
 def test_all_finite_axis_name():
     def per_device(x):
         return jmp.all_finite(x), jmp.all_finite(x, axis_name="i")
