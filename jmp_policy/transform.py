@@ -262,7 +262,7 @@ def _run_if_finite(finite, apply, grads, inner_state):
             0, finite.astype(jnp.int32), lambda _, carry: apply(*carry), (grads, inner_state)
         )
         # -0.0: p + (-0.0) == p bit for bit, for every p including +0.0.
-        # Skipped, the loop returned the non-finite gradients themselves.
+        # Skipped, the loop returned the scaled gradients themselves.
         return jax.tree.map(lambda u: jnp.where(finite, u, -0.0), updates), inner_state
 
     def skip(grads, inner_state):
