@@ -475,8 +475,8 @@ def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
     positions = [i for i, x in enumerate(leaves) if is_floating_array(x)]
     flags = [jnp.asarray(True)] * len(leaves)
     if positions:
-        nan_sums = [_sum_is_finite(leaves[i] - leaves[i]) for i in positions]
-        ok = _agree(jnp.stack(nan_sums), axis_name)
+        finite = [_sum_is_finite(leaves[i] - leaves[i]) for i in positions]
+        ok = _agree(jnp.stack(finite), axis_name)
         for j, i in enumerate(positions):
             flags[i] = ok[j]
     return jax.tree.unflatten(treedef, flags)
