@@ -21,6 +21,7 @@ from jmp_policy.loss_scale import (
     LossScale,
     NoOpLossScale,
     StaticLossScale,
+    _agree,
     leaf_finite_flags,
 )
 from jmp_policy.policy import is_floating_array
@@ -210,31 +211,28 @@ def loss_scaling(
 def _unscaled_finite_flags(scaled_grads: Any, loss_scale: LossScale, axis_name: Any) -> Any:
     """A bool per leaf: whether `loss_scale.unscale(leaf)` is all finite.
 
-    First the cheap test: each scaled leaf's sum of squares, a dot product that
-    runs at memory speed, is finite only if every value is, and with S >= 1 the
-    unscaled values are then finite too. Only when that test fails (an
-    overflowing step, finite values whose squares overflow, or S < 1) does the
-    exact test run: `isfinite` of every unscaled value. Either way the flags
-    are exact. With `axis_name` they are agreed across devices.
+    First the cheap test: the sum of squares of the scaled gradients (dot
+    products that run at memory speed) is finite only if every value is, and
+    with S >= 1 the unscaled values are then finite too. Only when that test
+    fails (an overflowing step, finite values whose squares overflow, or
+    S < 1) does the exact test run: `isfinite` of every unscaled value. Either
+    way the flags are exact. With `axis_name` they are agreed across devices.
     """
-
-    def squares_finite(x):
-        if not is_floating_array(x):
-            return jnp.asarray(True)
-        return jnp.isfinite(jnp.vdot(x, x, preferred_element_type=jnp.float32))
-
-    quick = jax.tree.map(squares_finite, scaled_grads)
-    quick_leaves = jax.tree.leaves(quick)
-    if not quick_leaves:
-        return quick
-    trusted = jnp.stack(quick_leaves).all() & (jnp.asarray(loss_scale.loss_scale) >= 1)
-    flags = lax.cond(
-        trusted, lambda: quick, lambda: leaf_finite_flags(loss_scale.unscale(scaled_grads))
+    squares = [
+        jnp.vdot(x, x, preferred_element_type=jnp.float32)
+        for x in jax.tree.leaves(scaled_grads)
+        if is_floating_array(x)
+    ]
+    trusted = jnp.isfinite(sum(squares)) & (jnp.asarray(loss_scale.loss_scale) >= 1)
+    # Agreed first, so every device takes the same branch (the exact one has
+    # its own collective).
+    trusted = _agree(trusted, axis_name)
+    all_true = jax.tree.map(lambda _: jnp.asarray(True), scaled_grads)
+    return lax.cond(
+        trusted,
+        lambda: all_true,
+        lambda: leaf_finite_flags(loss_scale.unscale(scaled_grads), axis_name=axis_name),
     )
-    if axis_name is None:
-        return flags
-    agreed = lax.pmin(jnp.stack(jax.tree.leaves(flags)).astype(jnp.int32), axis_name)
-    return jax.tree.unflatten(jax.tree.structure(flags), list(agreed.astype(jnp.bool_)))
 
 
 def _same_types(a: Any, b: Any) -> bool:
