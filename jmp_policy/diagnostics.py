@@ -87,9 +87,7 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
     state = find_loss_scaling_state(opt_state)
     scale = state.loss_scale
     scale_value = float(_host(scale.loss_scale))
-    at_floor = isinstance(scale, DynamicLossScale) and scale_value <= max(
-        scale.min_loss_scale, float(np.finfo(np.float32).tiny)
-    )
+    at_floor = isinstance(scale, DynamicLossScale) and scale_value <= scale._floor()
     paths = tuple(
         jax.tree_util.keystr(path)
         for path, flag in jax.tree_util.tree_leaves_with_path(state.nonfinite_leaves)

@@ -309,6 +309,10 @@ class DynamicLossScale:
         if self.warmup and self.warming_up is None:
             setattr_("warming_up", jnp.asarray(True))
 
+    def _floor(self) -> float:
+        # The lowest S can go: `min_loss_scale`, but never 0.
+        return max(self.min_loss_scale, _TINY)
+
     def scale(self, tree: T) -> T:
         """Multiplies the floating leaves of `tree` by S, in at least float32."""
         return _scale_floating(tree, self.loss_scale)
@@ -340,7 +344,7 @@ class DynamicLossScale:
         if self.hysteresis > 1:
             run = jnp.where(finite, 0, jnp.minimum(self.nonfinite_run + 1, self.hysteresis))
             backoff = backoff & (run >= self.hysteresis)
-        floor = max(self.min_loss_scale, _TINY)
+        floor = self._floor()
         shrunk = jnp.maximum(scale * self.backoff_factor, floor)
 
         new_scale = jnp.where(finite & grow, grown, jnp.where(backoff, shrunk, scale))
