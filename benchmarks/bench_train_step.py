@@ -1,68 +1,75 @@
-"""Overhead of a loss-scaled, skip-on-overflow Adam step, as ratios to plain optax.
+"""Cost of a loss-scaled, skip-on-overflow Adam step on every model shape, as ratios to plain optax.
 
-An MLP 512-1024-1024-1024-10, batch 256, Adam, `jit` with the parameters and
-optimizer state donated. Every variant computes the same loss and gradients;
-they differ in how the step is scaled, checked and skipped:
+For each shape in `shapes.py` (an MLP, a GPT written as a loop of blocks at 12
+and 24 layers, the same GPT under `nn.scan`, a CNN with BatchNorm, an NNX
+GPT), every variant computes the same mixed_float16 loss and gradients, under
+`jit` with parameters, optimizer state and batch statistics donated. They
+differ in how the step is scaled, checked and skipped:
 
 - plain optax: no scaling, no check (the baseline);
-- jmp's recipe: scale, unscale, all_finite, select_tree over params and state;
 - optax.apply_if_finite: a dynamic scale outside, apply_if_finite inside;
-- Flax DynamicScale: its value_and_grad, then a select over params and state;
+- flax DynamicScale: its value_and_grad, then a select over params and state;
+- jmp recipe: scale, unscale, all_finite, select_tree over params and state;
 - jmp_policy.loss_scaling: one optax transform.
 
-Reports the median step time and XLA's temp bytes
-(`.lower(...).compile().memory_analysis()`), each as a ratio to plain optax
-measured in the same run.
+Reports trace+compile time, the median step time over interleaved rounds and
+XLA's temp bytes (`memory_analysis()`), each as a ratio to plain optax in the
+same run. `--sweep` adds compile time against the number of leaves (GPT loops
+of 3 to 50 blocks: 53 to 805 leaves) and draws it to a PNG.
 
-    python benchmarks/bench_train_step.py [--batch 256] [--width 1024] [--rounds 5]
+    python benchmarks/bench_train_step.py [--quick] [--rounds 7] [--sweep PNG]
 """
+
+from __future__ import annotations
 
 import argparse
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import shapes  # noqa: E402
 from common import interleaved_medians, machine  # noqa: E402
 
 import jmp_policy  # noqa: E402
 
-
-def init_mlp(key, sizes):
-    params = []
-    keys = jax.random.split(key, len(sizes) - 1)
-    for k, (n_in, n_out) in zip(keys, zip(sizes[:-1], sizes[1:], strict=True), strict=True):
-        params.append({"w": jax.random.normal(k, (n_in, n_out)) / n_in**0.5, "b": jnp.zeros(n_out)})
-    return params
+INITIAL_SCALE = 2.0**15
+BASELINE = "plain optax"
 
 
-def loss_fn(params, x, y):
-    for layer in params[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    logits = x @ params[-1]["w"] + params[-1]["b"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+def variants(optimizer, loss):
+    """name -> (init(params) -> state, step(params, state, extra, batch) -> (params, state, extra))."""
+    grad = jax.grad(loss, has_aux=True)
 
-
-def variants(optimizer):
-    """(name, init(params) -> state, step(params, state, x, y) -> (params, state))."""
-
-    def plain_init(params):
-        return optimizer.init(params)
-
-    def plain_step(params, opt_state, x, y):
-        grads = jax.grad(loss_fn)(params, x, y)
+    def plain_step(params, opt_state, extra, batch):
+        grads, extra = grad(params, extra, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return optax.apply_updates(params, updates), opt_state, extra
 
-    def jmp_init(params):
-        return optimizer.init(params), jmp_policy.DynamicLossScale(2.0**15)
+    def with_scale(init):
+        return lambda params: (init(params), jmp_policy.DynamicLossScale(INITIAL_SCALE))
 
-    def jmp_step(params, state, x, y):
+    def scaled_grad(scale, params, extra, batch):
+        def scaled(p, e, b):
+            value, e = loss(p, e, b)
+            return scale.scale(value), e
+
+        return jax.grad(scaled, has_aux=True)(params, extra, batch)
+
+    guarded = optax.apply_if_finite(optimizer, max_consecutive_errors=10**6)
+
+    def aif_step(params, state, extra, batch):
         opt_state, scale = state
-        grads = jax.grad(lambda p: scale.scale(loss_fn(p, x, y)))(params)
+        grads, extra = scaled_grad(scale, params, extra, batch)
+        updates, opt_state = guarded.update(scale.unscale(grads), opt_state, params)
+        scale = scale.adjust(opt_state.last_finite)
+        return optax.apply_updates(params, updates), (opt_state, scale), extra
+
+    def jmp_step(params, state, extra, batch):
+        opt_state, scale = state
+        grads, extra = scaled_grad(scale, params, extra, batch)
         grads = scale.unscale(grads)
         finite = jmp_policy.all_finite(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -70,120 +77,174 @@ def variants(optimizer):
         params, opt_state = jmp_policy.select_tree(
             finite, (new_params, new_opt_state), (params, opt_state)
         )
-        return params, (opt_state, scale.adjust(finite))
-
-    guarded = optax.apply_if_finite(optimizer, max_consecutive_errors=10**6)
-
-    def aif_init(params):
-        return guarded.init(params), jmp_policy.DynamicLossScale(2.0**15)
-
-    def aif_step(params, state, x, y):
-        opt_state, scale = state
-        grads = scale.unscale(jax.grad(lambda p: scale.scale(loss_fn(p, x, y)))(params))
-        updates, opt_state = guarded.update(grads, opt_state, params)
-        scale = scale.adjust(opt_state.last_finite)
-        return optax.apply_updates(params, updates), (opt_state, scale)
+        return params, (opt_state, scale.adjust(finite)), extra
 
     from flax.training.dynamic_scale import DynamicScale
 
     def flax_init(params):
-        return optimizer.init(params), DynamicScale()
+        return optimizer.init(params), DynamicScale(scale=INITIAL_SCALE)
 
-    def flax_step(params, state, x, y):
+    def flax_step(params, state, extra, batch):
         opt_state, dyn = state
-        dyn, finite, _, grads = dyn.value_and_grad(loss_fn)(params, x, y)
+        dyn, finite, (_, extra), grads = dyn.value_and_grad(loss, has_aux=True)(
+            params, extra, batch
+        )
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         params, opt_state = jmp_policy.select_tree(
             finite, (new_params, new_opt_state), (params, opt_state)
         )
-        return params, (opt_state, dyn)
+        return params, (opt_state, dyn), extra
 
-    scaled = jmp_policy.loss_scaling(optimizer, jmp_policy.DynamicLossScale(2.0**15))
+    scaled = jmp_policy.loss_scaling(optimizer, jmp_policy.DynamicLossScale(INITIAL_SCALE))
 
-    def ours_step(params, opt_state, x, y):
-        scale = jmp_policy.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: scale.scale(loss_fn(p, x, y)))(params)
+    def ours_step(params, opt_state, extra, batch):
+        grads, extra = scaled_grad(jmp_policy.get_loss_scale(opt_state), params, extra, batch)
         updates, opt_state = scaled.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return optax.apply_updates(params, updates), opt_state, extra
 
     return {
-        "plain optax": (plain_init, plain_step),
-        "jmp recipe": (jmp_init, jmp_step),
-        "optax.apply_if_finite": (aif_init, aif_step),
+        BASELINE: (optimizer.init, plain_step),
+        "optax.apply_if_finite": (with_scale(guarded.init), aif_step),
         "flax DynamicScale": (flax_init, flax_step),
+        "jmp recipe": (with_scale(optimizer.init), jmp_step),
         "jmp_policy.loss_scaling": (scaled.init, ours_step),
     }
 
 
-class _Runner:
-    """Calls a donated step repeatedly on its own, fresh buffers."""
+class Runner:
+    """Compiles a donated step once, then calls it on its own, fresh buffers."""
 
-    def __init__(self, step, params, state, x, y):
-        self.step = jax.jit(step, donate_argnums=(0, 1))
-        self.params, self.state, self.x, self.y = params, state, x, y
+    def __init__(self, step, params, state, extra, batch):
+        self.step = jax.jit(step, donate_argnums=(0, 1, 2))
+        self.args = [params, state, extra]
+        self.batch = batch
         start = time.perf_counter()
-        compiled = self.step.lower(params, state, x, y).compile()
+        compiled = self.step.lower(params, state, extra, batch).compile()
         self.compile_s = time.perf_counter() - start
         self.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
 
     def __call__(self):
-        self.params, self.state = self.step(self.params, self.state, self.x, self.y)
-        return self.params
+        self.args = list(self.step(*self.args, self.batch))
+        return self.args[0]
 
 
-def run(batch=256, width=1024, rounds=5, repeats=10):
-    sizes = [512, width, width, width, 10]
-    key_params, key_x, key_y = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(key_x, (batch, sizes[0]))
-    y = jax.random.randint(key_y, (batch,), 0, sizes[-1])
+def _fresh(tree):
+    return jax.tree.map(lambda x: x.copy(), tree)
+
+
+def measure(shape, names=None, rounds=7, repeats=5):
+    """{variant: (compile s, step s, temp bytes)} for one shape."""
+    optimizer = optax.adam(1e-3)
     runners = {}
-    for name, (init, step) in variants(optax.adam(1e-3)).items():
-        params = init_mlp(key_params, sizes)
-        runners[name] = _Runner(step, params, init(params), x, y)
-    times = interleaved_medians(
-        runners, {name: () for name in runners}, rounds=rounds, repeats=repeats
-    )
-    base = runners["plain optax"]
-    return [
-        (
-            name,
-            times[name] * 1e3,
-            times[name] / times["plain optax"],
-            runners[name].temp_bytes / 2**20,
-            runners[name].temp_bytes / base.temp_bytes,
-            runners[name].compile_s / base.compile_s,
-        )
-        for name in runners
-    ]
+    for name, (init, step) in variants(optimizer, shape.loss).items():
+        if names is None or name in names:
+            params = _fresh(shape.params)
+            runners[name] = Runner(step, params, init(params), _fresh(shape.extra), shape.batch)
+    times = interleaved_medians(runners, {n: () for n in runners}, rounds=rounds, repeats=repeats)
+    return {n: (r.compile_s, times[n], r.temp_bytes) for n, r in runners.items()}
 
 
-def table(rows, batch, width) -> str:
+def table(results) -> str:
+    """One markdown table: a row per shape and variant, ratios to plain optax."""
     lines = [
-        f"Train step: MLP 512-{width}-{width}-{width}-10, batch {batch}, Adam, jit + donation",
+        "Train step on every model shape: mixed_float16, Adam, jit + donation",
         "",
-        "| variant | step ms | time ratio | temp MiB | temp ratio | trace+compile ratio |",
-        "|---|---|---|---|---|---|",
+        "Ratios to plain optax on the same shape in the same run (lower is better).",
+        "",
+        "| shape | leaves | variant | compile s | compile | step ms | step | temp MiB | temp |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    lines += [
-        f"| {name} | {ms:.2f} | {tr:.2f}x | {mib:.1f} | {mr:.2f}x | {cr:.2f}x |"
-        for name, ms, tr, mib, mr, cr in rows
-    ]
+    for (shape_name, leaves), rows in results.items():
+        c0, t0, m0 = rows[BASELINE]
+        for name, (c, t, m) in rows.items():
+            lines.append(
+                f"| {shape_name} | {leaves} | {name} | {c:.2f} | {c / c0:.2f}x | "
+                f"{t * 1e3:.2f} | {t / t0:.2f}x | {m / 2**20:.1f} | {m / max(m0, 1):.2f}x |"
+            )
     return "\n".join(lines)
+
+
+def sweep(layer_counts, names=(BASELINE, "optax.apply_if_finite", "jmp_policy.loss_scaling")):
+    """[(leaves, {variant: compile s})] for GPT loops of the given depths."""
+    points = []
+    for layers in layer_counts:
+        shape = shapes.gpt(layers=layers, dim=16, length=8, batch=2)
+        optimizer = optax.adam(1e-3)
+        compile_s = {}
+        for name, (init, step) in variants(optimizer, shape.loss).items():
+            if name in names:
+                params = _fresh(shape.params)
+                runner = Runner(step, params, init(params), {}, shape.batch)
+                compile_s[name] = runner.compile_s
+        points.append((shape.leaves, compile_s))
+        print(
+            f"  {shape.leaves} leaves: " + ", ".join(f"{n} {s:.1f}s" for n, s in compile_s.items())
+        )
+    return points
+
+
+def sweep_table(points) -> str:
+    names = list(points[0][1])
+    lines = [
+        "Compile time against the number of leaves (GPT loop, trace + compile of the train step)",
+        "",
+        "| leaves | " + " | ".join(f"{n} s" for n in names) + " | "
+        + " | ".join(f"{n} ratio" for n in names[1:]) + " |",
+        "|---|" + "---|" * (2 * len(names) - 1),
+    ]  # fmt: skip
+    for leaves, compile_s in points:
+        base = compile_s[names[0]]
+        lines.append(
+            f"| {leaves} | "
+            + " | ".join(f"{compile_s[n]:.2f}" for n in names)
+            + " | "
+            + " | ".join(f"{compile_s[n] / base:.2f}x" for n in names[1:])
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def plot(points, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    leaves = [p[0] for p in points]
+    for name in points[0][1]:
+        ax.plot(leaves, [p[1][name] for p in points], marker="o", label=name)
+    ax.set_xlabel("parameter leaves (GPT loop of blocks)")
+    ax.set_ylabel("trace + compile of the train step (s)")
+    ax.set_title("Compile time against the number of leaves")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke test")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep", metavar="PNG", help="also sweep compile time over leaves")
     args = parser.parse_args(argv)
-    rows = run(args.batch, args.width, args.rounds, args.repeats)
-    text = table(rows, args.batch, args.width)
+    rounds, repeats = (1, 1) if args.quick else (args.rounds, args.repeats)
+    results = {}
+    for shape in shapes.all_shapes(quick=args.quick):
+        print(f"{shape.name} ({shape.leaves} leaves) ...", flush=True)
+        results[(shape.name, shape.leaves)] = measure(shape, rounds=rounds, repeats=repeats)
+    text = table(results)
+    if args.sweep:
+        points = sweep((1, 2) if args.quick else (3, 6, 12, 25, 50))
+        plot(points, args.sweep)
+        text += "\n\n" + sweep_table(points)
     print(machine())
     print(text)
-    return text
+    return text, results
 
 
 if __name__ == "__main__":

@@ -23,10 +23,12 @@ from jmp_policy.loss_scale import (
     StaticLossScale,
     all_finite,
     leaf_finite_flags,
+    leaf_finite_vector,
     select_tree,
 )
 from jmp_policy.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from jmp_policy.transform import (
+    LeafFlags,
     LossScalingState,
     find_loss_scaling_state,
     get_loss_scale,
@@ -40,6 +42,7 @@ __all__ = (
     "AUTOCAST_DENY",
     "Census",
     "DynamicLossScale",
+    "LeafFlags",
     "LossScale",
     "LossScalingReport",
     "LossScalingState",
@@ -59,6 +62,7 @@ __all__ = (
     "get_policy",
     "half_dtype",
     "leaf_finite_flags",
+    "leaf_finite_vector",
     "linen",
     "nnx",
     "loss_scaling",

@@ -88,11 +88,7 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
     scale = state.loss_scale
     scale_value = float(_host(scale.loss_scale))
     at_floor = isinstance(scale, DynamicLossScale) and scale_value <= scale._floor()
-    paths = tuple(
-        jax.tree_util.keystr(path)
-        for path, flag in jax.tree_util.tree_leaves_with_path(state.nonfinite_leaves)
-        if bool(_host(flag))
-    )
+    paths = state.nonfinite_leaves.paths()
     return LossScalingReport(
         loss_scale=scale_value,
         applied_steps=int(_host(state.applied_steps)),

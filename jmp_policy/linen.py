@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax.core import unfreeze
 
 from jmp_policy.overrides import FLOAT32, Overrides
-from jmp_policy.policy import Policy, check_policy
+from jmp_policy.policy import Policy, check_policy, is_floating_array
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
     {
@@ -88,10 +88,12 @@ class MixedPrecisionModule:
             _softmax_in_float32(module, policy)
             self._stack.append(policy)
             try:
-                args, kwargs = policy.cast_to_compute((args, kwargs))
-                return next_fun(*args, **kwargs)
+                out = next_fun(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
             finally:
                 self._stack.pop()
+            if path and args and not isinstance(module.parent, nn.Module):
+                out = _carry_keeps_its_dtype(args[0], out)
+            return out
 
         return intercept
 
@@ -117,7 +119,7 @@ class MixedPrecisionModule:
 
         return jax.tree_util.tree_map_with_path(cast, params)
 
-    def _learn_paths(self, key, variables, args, kwargs):
+    def _learn_paths(self, key, variables, args, kwargs, method):
         if key not in self._path_policies:
             record: dict[tuple[str, ...], Policy] = {}
             # Only arrays are traced; flags such as `train=False` and callables
@@ -131,7 +133,7 @@ class MixedPrecisionModule:
                     next(given) if array else x for x, array in zip(leaves, is_array, strict=True)
                 ]
                 v, a, k = jax.tree.unflatten(treedef, full)
-                return self.module.apply(v, *a, mutable=True, **k)
+                return self.module.apply(v, *a, method=method, mutable=True, **k)
 
             arrays = [x for x, array in zip(leaves, is_array, strict=True) if array]
             self._run(lambda: jax.eval_shape(run, arrays), record)
@@ -162,7 +164,9 @@ class MixedPrecisionModule:
         came in with (float32 batch statistics stay float32).
         """
         variables = unfreeze(variables)
-        path_policies = self._learn_paths(_call_key(method, args, kwargs), variables, args, kwargs)
+        path_policies = self._learn_paths(
+            _call_key(method, args, kwargs), variables, args, kwargs, method
+        )
         cast_vars = dict(variables)
         if "params" in variables:
             cast_vars["params"] = self._cast_params(variables["params"], path_policies, "compute")
@@ -180,6 +184,30 @@ class MixedPrecisionModule:
                     lambda new, old: new.astype(old.dtype), collection, variables[name]
                 )
         return root.cast_to_output(y), updated
+
+
+def _carry_keeps_its_dtype(carry_in: Any, out: Any) -> Any:
+    """A lifted body's `(carry, y)` result with the carry in its input dtypes.
+
+    Lifted transforms (`nn.scan`, `nn.remat`, `nn.vmap`, `nn.jit`) run a clone
+    of the module whose parent is a Scope; its inputs were cast inside the
+    transform, but `lax.scan` fixed the carry's type from the uncast input, so
+    a carry that came in as float32 (from a float32 island) must leave as
+    float32. Results of any other form are returned as they are.
+    """
+    if not (isinstance(out, tuple) and len(out) == 2):
+        return out
+    carry_out, y = out
+    if jax.tree.structure(carry_out) != jax.tree.structure(carry_in):
+        return out
+
+    def like(new, old):
+        old_dtype = getattr(old, "dtype", None)
+        if is_floating_array(new) and old_dtype is not None and new.dtype != old_dtype:
+            return new.astype(old_dtype)
+        return new
+
+    return jax.tree.map(like, carry_out, carry_in), y
 
 
 def _weights_in_value_dtype(subscripts, weights, value, **kwargs):

@@ -80,9 +80,10 @@ def _scale_leaf(value: Any, argument: str) -> Any:
     """Checks and converts a loss-scale leaf to float32.
 
     Leaves are also rebuilt by JAX itself (unflatten with tracers, abstract
-    values or placeholder objects), so only Python and NumPy values are checked
-    by value; JAX arrays are checked by dtype and shape alone, which never waits
-    on the device.
+    values or placeholder objects, batched or stacked arrays), so only Python
+    and NumPy values, which only a user gives, are checked by value and shape;
+    JAX arrays are checked by dtype alone, which never waits on the device and
+    lets a state be batched (`vmap` of `init`) or stacked.
     """
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"Expected a positive float for `{argument}`, got {value!r}.")
@@ -104,8 +105,6 @@ def _scale_leaf(value: Any, argument: str) -> Any:
             f"Expected a floating array (float32) or a Python number for `{argument}`, "
             f"got an array of dtype {dtype}. Python numbers are converted for you."
         )
-    if value.shape != ():
-        raise TypeError(f"Expected a scalar for `{argument}`, got shape {value.shape}.")
     if isinstance(value, jax.Array) and dtype != jnp.float32:
         return value.astype(jnp.float32)
     return value
@@ -463,11 +462,29 @@ def _agree(finite: jax.Array, axis_name: Any) -> jax.Array:
     return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
 
+def leaf_finite_vector(tree: Any, axis_name: Any = None) -> jax.Array:
+    """Returns one bool per leaf of `tree`, packed in a vector: whether that leaf is finite.
+
+    Leaves are in `jax.tree.leaves` order; non-floating leaves are True. With
+    `axis_name` the flags are agreed across devices in one collective.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> jmp.leaf_finite_vector({"a": jnp.ones(2), "b": jnp.array([jnp.nan]), "n": 3})
+      Array([ True, False,  True], dtype=bool)
+    """
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros((0,), jnp.bool_)
+    finite = [_sum_is_finite(x - x) if is_floating_array(x) else jnp.asarray(True) for x in leaves]
+    return _agree(jnp.stack(finite), axis_name)
+
+
 def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
     """Returns `tree` with a scalar bool at every leaf: whether that leaf is finite.
 
-    Non-floating leaves are True. Costs the same single pass as `all_finite`;
-    with `axis_name` the flags are agreed across devices in one collective.
+    `leaf_finite_vector`, unpacked into the structure of `tree`.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -476,14 +493,8 @@ def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
       {'a': Array(True, dtype=bool), 'b': Array(False, dtype=bool)}
     """
     leaves, treedef = jax.tree.flatten(tree)
-    positions = [i for i, x in enumerate(leaves) if is_floating_array(x)]
-    flags = [jnp.asarray(True)] * len(leaves)
-    if positions:
-        finite = [_sum_is_finite(leaves[i] - leaves[i]) for i in positions]
-        ok = _agree(jnp.stack(finite), axis_name)
-        for j, i in enumerate(positions):
-            flags[i] = ok[j]
-    return jax.tree.unflatten(treedef, flags)
+    flags = leaf_finite_vector(leaves, axis_name)
+    return jax.tree.unflatten(treedef, [flags[i] for i in range(len(leaves))])
 
 
 def select_tree(pred: Any, a: T, b: T) -> T:

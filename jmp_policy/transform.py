@@ -8,9 +8,11 @@ and leaves the inner state exactly as it was), and only then adjusts S.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, NamedTuple
 
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import optax
@@ -22,11 +24,53 @@ from jmp_policy.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
     _agree,
-    leaf_finite_flags,
+    all_finite,
+    leaf_finite_vector,
 )
 from jmp_policy.policy import is_floating_array
 
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+# Gradients whose leaves hold this many values or more on average (an MLP, a
+# wide model) take the large-leaf step; many small leaves (a transformer's
+# biases and norms, a CNN) take the small-leaf step. See `_large_leaves`.
+_LARGE_LEAF = 2**16
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafFlags:
+    """A packed bool per leaf of a pytree: one array, whatever the leaf count.
+
+    Attributes:
+      flags: bool array of shape `(number of leaves,)` (a leading batch axis
+        when the state is batched with `vmap`).
+      treedef: the structure the flags belong to (static), so they can be
+        read back per leaf (`tree()`) or by path (`paths()`).
+    """
+
+    flags: jax.Array
+    treedef: Any = dataclasses.field(metadata=dict(static=True))
+
+    def tree(self) -> Any:
+        """The flags as a pytree of bool scalars with `treedef`'s structure."""
+        return jax.tree.unflatten(self.treedef, list(jnp.moveaxis(self.flags, -1, 0)))
+
+    def paths(self) -> tuple[str, ...]:
+        """The paths (`jax.tree_util.keystr`) of the leaves whose flag is True (host-side)."""
+        numbered = jax.tree.unflatten(self.treedef, range(self.treedef.num_leaves))
+        on = jax.device_get(self.flags).reshape(-1, self.treedef.num_leaves).any(axis=0)
+        return tuple(
+            jax.tree_util.keystr(path)
+            for path, i in jax.tree_util.tree_leaves_with_path(numbered)
+            if on[i]
+        )
+
+
+jax.tree_util.register_dataclass(LeafFlags)
+flax.serialization.register_serialization_state(
+    LeafFlags,
+    lambda leaf_flags: {"flags": leaf_flags.flags},
+    lambda target, state: dataclasses.replace(target, flags=state["flags"]),
+)
 
 
 class LossScalingState(NamedTuple):
@@ -43,9 +87,12 @@ class LossScalingState(NamedTuple):
         applied step (int32, saturating). A long run means the loss itself is
         not finite, or the scale is stuck at its floor.
       last_step_skipped: whether the most recent step was skipped (bool).
-      nonfinite_leaves: for the most recent skipped step, a bool per gradient
-        leaf (same structure as the parameters): True where that leaf held an
-        inf or NaN. All False until a step is skipped.
+      nonfinite_leaves: for the most recent skipped step, a `LeafFlags` with a
+        bool per gradient leaf: True where that leaf held an inf or NaN (after
+        unscaling). All False until a step is skipped. One packed array, and
+        computed only on skipped steps, so its cost does not grow with the
+        number of leaves on the steps that are applied. Read it with
+        `nonfinite_leaves.paths()`, `.tree()`, or `jmp_policy.nonfinite_paths`.
     """
 
     loss_scale: LossScale
@@ -54,7 +101,7 @@ class LossScalingState(NamedTuple):
     skipped_steps: jax.Array  # shape=(), dtype=jnp.int32
     nonfinite_run: jax.Array  # shape=(), dtype=jnp.int32
     last_step_skipped: jax.Array  # shape=(), dtype=jnp.bool_
-    nonfinite_leaves: Any  # params-shaped pytree of bool scalars
+    nonfinite_leaves: LeafFlags  # one bool per parameter leaf, packed
 
 
 def _half_leaves(tree: Any) -> list[str]:
@@ -110,9 +157,14 @@ def loss_scaling(
     Then the loss scale is adjusted (grown or backed off). The scale used for
     unscaling is always the one the loss was scaled with.
 
-    The inner update runs in a loop that runs once or not at all, whose results
-    take the gradients' buffers; so `update` cannot be differentiated in
-    reverse mode (forward mode works).
+    How the check and the skip are built is chosen at trace time from the
+    gradients' leaves, so nothing needs tuning: few large leaves (an MLP) get a
+    quick sum-of-squares test with an exact fallback and an inner update in a
+    loop that runs once or not at all, whose results take the gradients'
+    buffers (less memory); many small leaves (a transformer, a CNN) get one
+    exact finite check and a `lax.cond` (less compile time and per-leaf work).
+    Both make the same decisions. A loop cannot be differentiated in reverse
+    mode, so on the large-leaf path `update` supports forward mode only.
 
     Args:
       inner: the optimizer (any optax transform, including `optax.chain`,
@@ -170,28 +222,30 @@ def loss_scaling(
             skipped_steps=jnp.zeros((), jnp.int32),
             nonfinite_run=jnp.zeros((), jnp.int32),
             last_step_skipped=jnp.zeros((), jnp.bool_),
-            nonfinite_leaves=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), params),
+            nonfinite_leaves=LeafFlags(
+                jnp.zeros(len(jax.tree.leaves(params)), jnp.bool_), jax.tree.structure(params)
+            ),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        flags = _unscaled_finite_flags(updates, state.loss_scale, axis_name)
-        flag_leaves = jax.tree.leaves(flags)
-        finite = jnp.stack(flag_leaves).all() if flag_leaves else jnp.asarray(True)
+        loss_scale = state.loss_scale
+        large = _large_leaves(updates)
+        old_flags = state.nonfinite_leaves
+        finite, flags = _unscaled_finite(updates, loss_scale, old_flags.flags, axis_name, large)
 
         def apply(scaled_grads, inner_state):
             # Unscaled here, fused into the optimizer's first pass: the
             # unscaled gradients are never stored.
-            grads = state.loss_scale.unscale(scaled_grads)
+            grads = loss_scale.unscale(scaled_grads)
             new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
             return new_updates, optax.tree.cast_like(new_inner, inner_state)
 
-        new_updates, inner_state = _run_if_finite(finite, apply, updates, state.inner_state)
-        skipped = ~finite
-        nonfinite_leaves = jax.tree.map(
-            lambda old, ok: jnp.where(skipped, ~ok, old), state.nonfinite_leaves, flags
+        new_updates, inner_state = _run_if_finite(
+            finite, apply, updates, state.inner_state, in_a_loop=large
         )
+        skipped = ~finite
         new_state = LossScalingState(
-            loss_scale=state.loss_scale.adjust(finite),
+            loss_scale=loss_scale.adjust(finite),
             inner_state=inner_state,
             applied_steps=jnp.where(
                 finite, optax.safe_int32_increment(state.applied_steps), state.applied_steps
@@ -201,23 +255,52 @@ def loss_scaling(
             ),
             nonfinite_run=jnp.where(skipped, optax.safe_int32_increment(state.nonfinite_run), 0),
             last_step_skipped=skipped,
-            nonfinite_leaves=nonfinite_leaves,
+            nonfinite_leaves=dataclasses.replace(old_flags, flags=flags),
         )
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _unscaled_finite_flags(scaled_grads: Any, loss_scale: LossScale, axis_name: Any) -> Any:
-    """A bool per leaf: whether `loss_scale.unscale(leaf)` is all finite.
+def _large_leaves(grads: Any) -> bool:
+    """Whether the floating leaves of `grads` hold `_LARGE_LEAF` values or more on average.
 
-    First the cheap test: the sum of squares of the scaled gradients (dot
-    products that run at memory speed) is finite only if every value is, and
-    with S >= 1 the unscaled values are then finite too. Only when that test
-    fails (an overflowing step, finite values whose squares overflow, or
-    S < 1) does the exact test run: `isfinite` of every unscaled value. Either
-    way the flags are exact. With `axis_name` they are agreed across devices.
+    Few large leaves: the step is memory-bound and the loop's buffer reuse
+    pays. Many small leaves: compile time and per-leaf work dominate, and one
+    check plus a `cond` cost least (benchmarks/bench_train_step.py).
     """
+    sizes = [x.size for x in jax.tree.leaves(grads) if is_floating_array(x)]
+    return bool(sizes) and sum(sizes) >= _LARGE_LEAF * len(sizes)
+
+
+def _unscaled_finite(
+    scaled_grads: Any, loss_scale: LossScale, old_flags: jax.Array, axis_name: Any, quick: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Whether `loss_scale.unscale(scaled_grads)` is all finite, and the new packed leaf flags.
+
+    The decision is exact either way, and agreed across devices with
+    `axis_name`. Which leaves held inf/NaN is worked out only when the answer
+    is no (the flags are `old_flags` otherwise), so applied steps do no
+    per-leaf work.
+
+    `quick`: first the sum of squares of the scaled gradients (dot products
+    that run at memory speed), finite only if every value is; with S >= 1 the
+    unscaled values are then finite too. Only when that fails (an overflowing
+    step, finite values whose squares overflow, or S < 1) does the exact
+    per-leaf test run. Everything that reads the gradients happens here, before
+    the step, so the step may write its updates over them. Otherwise:
+    `all_finite` of the unscaled values (fused, never stored) at once.
+    """
+    unscaled = lambda: loss_scale.unscale(scaled_grads)  # noqa: E731
+
+    def per_leaf():
+        ok = leaf_finite_vector(unscaled(), axis_name)
+        finite = ok.all()
+        return finite, jnp.where(finite, old_flags, ~ok)
+
+    if not quick:
+        finite = all_finite(unscaled(), axis_name=axis_name)
+        return finite, lax.cond(finite, lambda: old_flags, lambda: per_leaf()[1])
     squares = [
         jnp.vdot(x, x, preferred_element_type=jnp.float32)
         for x in jax.tree.leaves(scaled_grads)
@@ -227,12 +310,7 @@ def _unscaled_finite_flags(scaled_grads: Any, loss_scale: LossScale, axis_name: 
     # Agreed first, so every device takes the same branch (the exact one has
     # its own collective).
     trusted = _agree(trusted, axis_name)
-    all_true = jax.tree.map(lambda _: jnp.asarray(True), scaled_grads)
-    return lax.cond(
-        trusted,
-        lambda: all_true,
-        lambda: leaf_finite_flags(loss_scale.unscale(scaled_grads), axis_name=axis_name),
-    )
+    return lax.cond(trusted, lambda: (jnp.asarray(True), old_flags), per_leaf)
 
 
 def _same_types(a: Any, b: Any) -> bool:
@@ -242,20 +320,21 @@ def _same_types(a: Any, b: Any) -> bool:
     return jax.tree.structure(a) == jax.tree.structure(b) and types(a) == types(b)
 
 
-def _run_if_finite(finite, apply, grads, inner_state):
+def _run_if_finite(finite, apply, grads, inner_state, in_a_loop):
     """`apply(grads, inner_state)` when `finite`, else (-0.0 updates, inner_state).
 
-    Only one of the two runs: a skipped step does no optimizer work. When the
-    updates have the gradients' shapes and dtypes (every optax optimizer), the
-    step is a loop that runs once or not at all, carrying the gradients and the
-    inner state: a loop's results are written over its carried buffers, so the
-    updates take the place of the (then dead) gradients and the new inner state
-    that of the (donated) old one. A `cond` would need a fresh buffer for every
-    update on top of the gradients: 1.67x plain optax's temporary memory
-    instead of 1.17x (benchmarks/bench_train_step.py). Otherwise it is a `cond`.
+    Only one of the two runs: a skipped step does no optimizer work. With
+    `in_a_loop`, and when the updates have the gradients' shapes and dtypes
+    (every optax optimizer), the step is a loop that runs once or not at all,
+    carrying the gradients and the inner state: a loop's results are written
+    over its carried buffers, so the updates take the place of the (then dead)
+    gradients and the new inner state that of the (donated) old one; a `cond`
+    would need a fresh buffer for every update. On many small leaves a `cond`
+    compiles faster and runs as fast, so it is used there, and whenever the
+    types differ.
     """
     update_types = jax.eval_shape(apply, grads, inner_state)[0]
-    if _same_types(update_types, grads):
+    if in_a_loop and _same_types(update_types, grads):
         updates, inner_state = lax.fori_loop(
             0, finite.astype(jnp.int32), lambda _, carry: apply(*carry), (grads, inner_state)
         )

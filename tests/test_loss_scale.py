@@ -308,7 +308,8 @@ def test_select_tree():
             TypeError,
             r"floating .* `loss_scale`",
         ),
-        (lambda: jmp.DynamicLossScale(jnp.ones(2)), TypeError, "scalar"),
+        # A user's NumPy array must be a scalar; a JAX array may be a batched state.
+        (lambda: jmp.DynamicLossScale(np.ones(2)), TypeError, "scalar"),
         (lambda: jmp.DynamicLossScale(True), TypeError, "`loss_scale`"),
         (lambda: jmp.DynamicLossScale(2.0, factor=1), ValueError, r"> 1 for `factor`"),
         (lambda: jmp.DynamicLossScale(2.0, factor=0.5), ValueError, "`factor`"),

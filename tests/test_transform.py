@@ -422,20 +422,32 @@ def test_checkpoint_round_trip_and_resume(tmp_path):
         chex.assert_trees_all_equal(s, final_state)
 
 
-def test_finite_gradients_with_overflowing_squares_are_applied():
+# Leaves of 2**16 values take the large-leaf path (quick test, exact fallback,
+# a run-once loop); a few values per leaf take the small-leaf path.
+LARGE, SMALL = 2**16, 3
+
+
+@pytest.mark.parametrize("size", [SMALL, LARGE])
+def test_finite_gradients_with_overflowing_squares_are_applied(size):
     # The quick test (the gradients' sum of squares) overflows for these
     # finite gradients; the exact test must still find them finite.
     tx = jmp.loss_scaling(optax.sgd(1e-30), jmp.DynamicLossScale(1.0))
-    params = {"a": jnp.ones(3), "b": jnp.ones(2)}
-    huge = {"a": jnp.array([1e30, -3e38, 1.0]), "b": jnp.ones(2)}
+    params = {"a": jnp.ones(size), "b": jnp.ones(size)}
+    huge = {"a": jnp.ones(size).at[:2].set([1e30, -3e38]), "b": jnp.ones(size)}
     updates, state = jax.jit(tx.update)(huge, tx.init(params), params)
     assert not bool(state.last_step_skipped) and int(state.applied_steps) == 1
-    np.testing.assert_allclose(updates["a"], [-1.0, 3e8, -1e-30], rtol=1e-6)
+    np.testing.assert_allclose(updates["a"][:3], [-1.0, 3e8, -1e-30], rtol=1e-6)
     # ... and a NaN beside them is still found, in its own leaf only.
-    updates, state = jax.jit(tx.update)({**huge, "b": jnp.array([1.0, jnp.nan])}, state, params)
+    poisoned = {**huge, "b": jnp.ones(size).at[1].set(jnp.nan)}
+    updates, state = jax.jit(tx.update)(poisoned, state, params)
     assert bool(state.last_step_skipped) and int(state.skipped_steps) == 1
-    assert state.nonfinite_leaves == {"a": False, "b": True}
+    assert jax.tree.map(bool, state.nonfinite_leaves.tree()) == {"a": False, "b": True}
+    assert state.nonfinite_leaves.paths() == ("['b']",)
     assert all(bool((u == 0).all()) for u in jax.tree.leaves(updates))
+    # A clean step afterwards keeps the flags of the last skipped step.
+    _, state = jax.jit(tx.update)(huge, state, params)
+    assert not bool(state.last_step_skipped)
+    assert state.nonfinite_leaves.paths() == ("['b']",)
 
 
 def test_unscaling_by_a_scale_below_one_can_overflow_and_is_skipped():
@@ -459,23 +471,47 @@ def _bfloat16_sgd():
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def _params_of_size(size):
+    return jax.tree.map(lambda x: jnp.resize(x, (size,)), make_params())
+
+
+def _grads_of_size(step, size, poisoned=False):
+    grads = jax.tree.map(lambda x: jnp.resize(x, (size,)), clean_grads(step))
+    if poisoned:
+        grads["dense"]["w"] = grads["dense"]["w"].at[1].set(jnp.nan)
+    return grads
+
+
 @pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
-@pytest.mark.parametrize("inner, in_a_loop", [(optax.adam(1e-2), True), (_bfloat16_sgd(), False)])
-def test_skip_is_exact_on_both_paths(inner, in_a_loop):
+@pytest.mark.parametrize(
+    "inner, size, whiles_and_conds",
+    [
+        # Large leaves, updates shaped like the gradients: the quick test's
+        # cond (its exact fallback inside) and the run-once loop.
+        (optax.adam(1e-2), LARGE, (1, 1)),
+        # Updates of another dtype: the loop cannot carry them, so a cond.
+        (_bfloat16_sgd(), LARGE, (0, 2)),
+        # Small leaves: one exact check, a cond for the step and a cond that
+        # works out the bad leaves only on a skipped step.
+        (optax.adam(1e-2), SMALL, (0, 2)),
+        (_bfloat16_sgd(), SMALL, (0, 2)),
+    ],
+)
+def test_skip_is_exact_on_both_paths(inner, size, whiles_and_conds):
     tx = jmp.loss_scaling(inner, jmp.DynamicLossScale(2.0**4))
-    jaxpr = jax.make_jaxpr(tx.update)(clean_grads(0), tx.init(make_params()), make_params())
+    params = _params_of_size(size)
+    jaxpr = jax.make_jaxpr(tx.update)(_grads_of_size(0, size), tx.init(params), params)
     primitives = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
-    # One `cond` is the finite check's exact fallback; the step is the loop or a second `cond`.
-    loops_and_conds = (primitives.count("while"), primitives.count("cond"))
-    assert loops_and_conds == ((1, 1) if in_a_loop else (0, 2))
-    clean = [clean_grads(i) for i in range(6)]
-    poisoned = clean[:2] + [poison(clean_grads(50), jnp.nan)] + clean[2:]
-    params_a, state_a, _ = train(tx, clean)
-    params_b, state_b, _ = train(tx, poisoned)
+    assert (primitives.count("while"), primitives.count("cond")) == whiles_and_conds
+    clean = [_grads_of_size(i, size) for i in range(6)]
+    poisoned = clean[:2] + [_grads_of_size(50, size, poisoned=True)] + clean[2:]
+    params_a, state_a, _ = train(tx, clean, params)
+    params_b, state_b, _ = train(tx, poisoned, params)
     chex.assert_trees_all_equal(params_a, params_b)
     chex.assert_trees_all_equal(state_a.inner_state, state_b.inner_state)
     assert (int(state_b.skipped_steps), int(state_b.applied_steps)) == (1, 6)
-    assert not jax.tree.all(jax.tree.map(jnp.array_equal, params_a, make_params()))
+    assert state_b.nonfinite_leaves.paths() == ("['dense']['w']",)
+    assert not jax.tree.all(jax.tree.map(jnp.array_equal, params_a, params))
 
 
 @pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
