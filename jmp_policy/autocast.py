@@ -72,6 +72,31 @@ DENY = frozenset(
 )
 """Primitives that run in float32 (torch.amp's "float32" list, as JAX lowers it)."""
 
+# Linear-algebra decompositions and FFTs: no half-precision kernels (XLA and
+# LAPACK have none; `rfft` refuses float16), and torch.amp keeps them in float32
+# too. They run in float32 whatever `allow` and `deny` say.
+NO_HALF_KERNEL = frozenset(
+    {
+        "cholesky",
+        "eig",
+        "eigh",
+        "fft",
+        "geqp3",
+        "geqrf",
+        "hessenberg",
+        "householder_product",
+        "lu",
+        "ormqr",
+        "qr",
+        "schur",
+        "svd",
+        "triangular_solve",
+        "tridiagonal",
+        "tridiagonal_solve",
+    }
+)
+"""Primitives that always run in float32: they have no half-precision kernel."""
+
 # Primitives whose bodies are rewritten by rebuilding them with public APIs.
 _STRUCTURAL = frozenset(
     {"jit", "pjit", "closed_call", "core_call", "scan", "while", "cond", "remat2", "checkpoint"}
@@ -200,6 +225,20 @@ def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
     floating = [i for i, x in enumerate(invals) if _is_float(x)]
     if not floating:
         return _bind(eqn, invals)
+    if name in NO_HALF_KERNEL:
+        return _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+    try:
+        return _eval_by_rules(eqn, invals, floating, rules)
+    except (TypeError, ValueError, NotImplementedError):
+        # An op that refuses half precision (a dtype check when it is bound)
+        # runs in float32 rather than failing the whole function.
+        if not any(jnp.finfo(invals[i].dtype).bits < 32 for i in floating):
+            raise
+        return _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+
+
+def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> list:
+    name = eqn.primitive.name
     if name in rules.allow:
         target = rules.compute
         invals = [_cast(x, target) for x in invals]
