@@ -366,3 +366,151 @@ def test_apply_without_init_with_flags_and_callables():
     assert convs and all(
         {v.aval.dtype for v in e.invars} == {jnp.dtype(jnp.float16)} for e in convs
     )
+
+
+# --- Lifted transforms and stacked layers (real deep-model layouts) -------------
+
+
+class _Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(x.shape[-1])(x)
+
+
+class _ScanBody(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(h))), None
+
+
+class _Lifted(nn.Module):
+    """A float32 island feeds an nn.scan over nn.remat'd blocks, then nn.vmap, nn.jit, nn.remat."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(nn.Dense(16)(x))  # float32 here: the scan carry enters as float32
+        stack = nn.scan(
+            nn.remat(_ScanBody), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
+        x, _ = stack(name="blocks")(x, None)
+        x = nn.vmap(_Dense, variable_axes={"params": 0}, split_rngs={"params": True})(name="vm")(x)
+        x = nn.jit(_Dense)(name="jt")(x)
+        return nn.remat(_Dense)(name="rm")(x)
+
+
+@pytest.mark.standard_promotion  # flax's lifted transforms mix weak and strong types
+def test_linen_lifted_transforms_keep_the_carry_dtype():
+    mixed = jmp.linen.mixed_precision(_Lifted(), jmp.get_policy("mixed_float16"))
+    x = jax.random.normal(jax.random.key(1), (2, 4, 8))
+    variables = mixed.init(jax.random.key(0), x)
+    kernel = variables["params"]["blocks"]["Dense_1"]["kernel"]
+    assert kernel.shape == (3, 16, 32) and kernel.dtype == jnp.float32  # stacked per layer
+
+    # The scanned Dense layers compute in float16 (their dot_generals take float16 operands).
+    jaxpr = jax.make_jaxpr(lambda v: mixed.apply(v, x))(variables)
+    dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(e.invars[0].aval.dtype == jnp.float16 for e in dots)
+
+    out = jax.jit(mixed.apply)(variables, x)
+    reference = _Lifted().apply(variables, x)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, reference, atol=5e-2, rtol=5e-2)
+    grads = jax.jit(jax.grad(lambda p: mixed.apply({"params": p}, x).sum()))(variables["params"])
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert jmp.all_finite(grads)
+    print(f"lifted: {len(dots)} float16 dot_generals, max |mixed - float32| "
+          f"{float(jnp.abs(out - reference).max()):.4f}")  # fmt: skip
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
+
+
+class _WithMethod(nn.Module):
+    def setup(self):
+        self.embed = nn.Dense(8)
+        self.norm = nn.LayerNorm()
+        self.dropout = nn.Dropout(0.5, deterministic=False)
+
+    def __call__(self, x):
+        return self.dropout(self.norm(self.embed(x)))  # needs a "dropout" rng
+
+    def embed_only(self, x):
+        return self.embed(x)
+
+
+def test_apply_with_method_learns_that_methods_paths():
+    mixed = jmp.linen.mixed_precision(_WithMethod(), jmp.get_policy("mixed_float16"))
+    x = jnp.ones((2, 4))
+    variables = mixed.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    mixed._path_policies.clear()  # as if this process had never run the model
+    # No dropout rng: learning the paths must run `embed_only`, not `__call__`.
+    out = mixed.apply(variables, x, method="embed_only")
+    assert out.dtype == jnp.float32
+    learnt = mixed._path_policies[next(iter(mixed._path_policies))]
+    assert ("norm",) not in learnt and ("embed",) in learnt
+    # A function works too.
+    out_fn = mixed.apply(variables, x, method=_WithMethod.embed_only)
+    np.testing.assert_array_equal(out, out_fn)
+
+
+class _NNXBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.lin(self.norm(x))
+
+
+class _NNXStacked(nnx.Module):
+    """Three blocks made by nnx.vmap (with nnx.split_rngs), run by nnx.scan over nnx.remat."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return _NNXBlock(rngs)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def body(x, block):
+            return block(x)
+
+        return self.head(body(x, self.blocks))
+
+
+@pytest.mark.standard_promotion  # optax's adam mixes int32 and float
+def test_nnx_stacked_layers_under_scan_vmap_remat():
+    model = jmp.nnx.mixed_precision(_NNXStacked(nnx.Rngs(0)), jmp.get_policy("mixed_float16"))
+    assert model.blocks.lin.kernel[...].shape == (3, 8, 8)
+    assert model.blocks.lin.kernel[...].dtype == jnp.float32
+    assert (model.blocks.lin.dtype, model.blocks.norm.dtype) == (jnp.float16, jnp.float32)
+    x = jax.random.normal(jax.random.key(3), (4, 8))
+    assert model(x).dtype == jnp.float32
+    tx = jmp.loss_scaling(optax.adam(1e-2), jmp.DynamicLossScale(2.0**10))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        scale = jmp.get_loss_scale(optimizer)
+
+        def loss(model):
+            return scale.scale(jnp.mean(model(x).astype(jnp.float32) ** 2))
+
+        optimizer.update(model, nnx.grad(loss)(model))
+
+    before = model.blocks.lin.kernel[...]
+    for _ in range(3):
+        step(model, optimizer, x)
+    report = jmp.loss_scaling_report(optimizer)
+    assert (report.applied_steps, report.skipped_steps) == (3, 0)
+    assert not jnp.array_equal(before, model.blocks.lin.kernel[...])

@@ -556,3 +556,61 @@ def test_updates_take_the_place_of_the_gradients():
     grad_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     extra = temp_bytes(scaled, scaled_step) - temp_bytes(plain, plain_step)
     assert extra < grad_bytes / 2, (extra, grad_bytes)
+
+
+@pytest.mark.standard_promotion  # optax's adam mixes int32 and float
+@pytest.mark.parametrize("size", [SMALL, LARGE])
+@pytest.mark.parametrize(
+    "scale",
+    [jmp.DynamicLossScale(2.0**4, period=2, hysteresis=2, warmup=True), jmp.StaticLossScale(4)],
+)
+def test_ensemble_under_vmap_one_member_overflows(size, scale):
+    tx = jmp.loss_scaling(optax.adam(1e-2), scale)
+    one = _params_of_size(size)
+    stacked = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), one)
+    state = jax.vmap(tx.init)(stacked)  # a batched state unflattens: no re-validation
+    grads = jax.tree.map(lambda x: jnp.stack([x, x]), _grads_of_size(0, size))
+    grads["dense"]["w"] = grads["dense"]["w"].at[1, 1].set(jnp.inf)  # member 1 overflows
+
+    @jax.jit
+    def step(params, state, grads):
+        def one_member(p, s, g):
+            updates, s = tx.update(jmp.get_loss_scale(s).scale(g), s, p)
+            return optax.apply_updates(p, updates), s
+
+        return jax.vmap(one_member)(params, state, grads)
+
+    new_params, new_state = step(stacked, state, grads)
+    assert new_state.last_step_skipped.tolist() == [False, True]
+    assert new_state.applied_steps.tolist() == [1, 0]
+    # Member 1 is untouched bit for bit (params and Adam state); member 0 moved.
+    member = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
+    chex.assert_trees_all_equal(member(new_params, 1), member(stacked, 1))
+    chex.assert_trees_all_equal(member(new_state.inner_state, 1), member(state.inner_state, 1))
+    assert not jnp.array_equal(new_params["out"]["w"][0], stacked["out"]["w"][0])
+    flags = new_state.nonfinite_leaves
+    assert flags.flags.shape == (2, 3) and flags.paths() == ("['dense']['w']",)
+    if isinstance(scale, jmp.DynamicLossScale):
+        assert new_state.loss_scale.loss_scale.shape == (2,)
+        # Warm-up grows member 0; hysteresis 2 keeps member 1 for one bad step.
+        assert new_state.loss_scale.loss_scale.tolist() == [32.0, 16.0]
+    # The batched state runs again without recompiling, and a member of it,
+    # taken out with a tree map that changes shapes, runs on its own.
+    step(new_params, new_state, grads)
+    assert step._cache_size() == 1
+    single = member(new_state, 0)
+    updates, _ = jax.jit(tx.update)(_grads_of_size(1, size), single, member(new_params, 0))
+    assert jax.tree.structure(updates) == jax.tree.structure(one)
+
+
+@pytest.mark.standard_promotion  # optax's adam mixes int32 and float
+def test_states_stack_for_pipelines():
+    tx = make_tx()
+    states = [tx.init(make_params()) for _ in range(3)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)  # unflattens batched leaves
+    assert stacked.loss_scale.loss_scale.shape == (3,)
+    assert stacked.loss_scale.period == 3  # configuration survives as static metadata
+    expanded = jax.tree.map(lambda x: x[None], states[0])
+    assert expanded.loss_scale.counter.shape == (1,)
+    restored = jax.tree.map(lambda x: x[1], stacked)
+    chex.assert_trees_all_equal(restored, states[1])
