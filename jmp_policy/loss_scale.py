@@ -434,21 +434,28 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
       >>> bool(jmp.all_finite({"step": jnp.int32(3)}))
       True
     """
-    groups: dict[tuple, list] = {}
-    for i, x in enumerate(jax.tree.leaves(tree)):
-        if is_floating_array(x):
-            key = (x.shape, x.dtype) if x.size < _GROUPED_LEAF_SIZE else i
-            groups.setdefault(key, []).append(x)
+    leaves = jax.tree.leaves(tree)
+    groups = _groups(leaves)
     if not groups:
         return _agree(jnp.asarray(True), axis_name)
     flags = []
-    for leaves in groups.values():
-        nans = [x - x for x in leaves]
+    for positions in groups.values():
+        nans = [leaves[i] - leaves[i] for i in positions]
         while len(nans) > 1:  # a balanced tree of adds: XLA fuses it into one loop
             pairs = range(0, len(nans) - 1, 2)
             nans = [nans[i] + nans[i + 1] for i in pairs] + nans[len(nans) - len(nans) % 2 :]
         flags.append(_sum_is_finite(nans[0]))
     return _agree(jnp.stack(flags).all(), axis_name)
+
+
+def _groups(leaves: list) -> dict[Any, list[int]]:
+    """Positions of the floating leaves, grouped: small leaves by shape and dtype, large alone."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if is_floating_array(x):
+            key = (x.shape, x.dtype) if x.size < _GROUPED_LEAF_SIZE else i
+            groups.setdefault(key, []).append(i)
+    return groups
 
 
 def _sum_is_finite(nans: jax.Array) -> jax.Array:
@@ -477,8 +484,21 @@ def leaf_finite_vector(tree: Any, axis_name: Any = None) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.zeros((0,), jnp.bool_)
-    finite = [_sum_is_finite(x - x) if is_floating_array(x) else jnp.asarray(True) for x in leaves]
-    return _agree(jnp.stack(finite), axis_name)
+    # As in `all_finite`: small leaves of one shape and dtype are stacked and
+    # reduced together (one reduction per shape, not per leaf: a transformer's
+    # hundreds of leaves have a dozen shapes), large ones one by one. The flags
+    # come back in leaf order through one static permutation.
+    order: list[int] = []
+    parts = []
+    for positions in _groups(leaves).values():
+        stacked = jnp.stack([leaves[i] for i in positions]).reshape(len(positions), -1)
+        parts.append(jnp.isfinite(jnp.sum(stacked - stacked, axis=1, dtype=jnp.float32)))
+        order += positions
+    grouped = set(order)
+    others = [i for i in range(len(leaves)) if i not in grouped]
+    parts.append(jnp.ones(len(others), jnp.bool_))
+    finite = jnp.concatenate(parts)[np.argsort(order + others)]
+    return _agree(finite, axis_name)
 
 
 def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
