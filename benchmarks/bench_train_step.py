@@ -10,6 +10,8 @@ differ in how the step is scaled, checked and skipped:
 - optax.apply_if_finite: a dynamic scale outside, apply_if_finite inside;
 - flax DynamicScale: its value_and_grad, then a select over params and state;
 - jmp recipe: scale, unscale, all_finite, select_tree over params and state;
+- hand-written cond: unscale, isfinite per leaf, `lax.cond` around the
+  optimizer step and `apply_updates` (what a user writes in 15 lines);
 - jmp_policy.loss_scaling: one optax transform.
 
 Reports trace+compile time, the median step time over interleaved rounds and
@@ -27,6 +29,8 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -96,6 +100,21 @@ def variants(optimizer, loss):
         )
         return params, (opt_state, dyn), extra
 
+    def cond_step(params, state, extra, batch):
+        # What a user writes by hand: unscale, isfinite per leaf, lax.cond
+        # around the optimizer step and the parameter update.
+        opt_state, scale = state
+        grads, extra = scaled_grad(scale, params, extra, batch)
+        grads = scale.unscale(grads)
+        finite = jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]).all()
+
+        def apply(params, opt_state):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        params, opt_state = jax.lax.cond(finite, apply, lambda *a: a, params, opt_state)
+        return params, (opt_state, scale.adjust(finite)), extra
+
     scaled = jmp_policy.loss_scaling(optimizer, jmp_policy.DynamicLossScale(INITIAL_SCALE))
 
     def ours_step(params, opt_state, extra, batch):
@@ -108,6 +127,7 @@ def variants(optimizer, loss):
         "optax.apply_if_finite": (with_scale(guarded.init), aif_step),
         "flax DynamicScale": (flax_init, flax_step),
         "jmp recipe": (with_scale(optimizer.init), jmp_step),
+        "hand-written cond": (with_scale(optimizer.init), cond_step),
         "jmp_policy.loss_scaling": (scaled.init, ours_step),
     }
 
@@ -133,16 +153,23 @@ def _fresh(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
 
 
-def measure(shape, names=None, rounds=7, repeats=5):
-    """{variant: (compile s, step s, temp bytes)} for one shape."""
+def measure(shape, names=None, rounds=7, repeats=5, compiles=3):
+    """{variant: (compile s, step s, temp bytes)} for one shape.
+
+    Compile time is the median of `compiles` interleaved compilations, each of
+    freshly made step functions, so no trace or compile cache is reused.
+    """
     optimizer = optax.adam(1e-3)
-    runners = {}
-    for name, (init, step) in variants(optimizer, shape.loss).items():
-        if names is None or name in names:
-            params = _fresh(shape.params)
-            runners[name] = Runner(step, params, init(params), _fresh(shape.extra), shape.batch)
+    compile_s, runners = {}, {}
+    for _ in range(compiles):
+        for name, (init, step) in variants(optimizer, shape.loss).items():
+            if names is None or name in names:
+                params = _fresh(shape.params)
+                runner = Runner(step, params, init(params), _fresh(shape.extra), shape.batch)
+                compile_s.setdefault(name, []).append(runner.compile_s)
+                runners[name] = runner
     times = interleaved_medians(runners, {n: () for n in runners}, rounds=rounds, repeats=repeats)
-    return {n: (r.compile_s, times[n], r.temp_bytes) for n, r in runners.items()}
+    return {n: (float(np.median(compile_s[n])), times[n], r.temp_bytes) for n, r in runners.items()}
 
 
 def table(results) -> str:
@@ -230,13 +257,18 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke test")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compiles", type=int, default=3, help="compilations per median")
     parser.add_argument("--sweep", metavar="PNG", help="also sweep compile time over leaves")
     args = parser.parse_args(argv)
-    rounds, repeats = (1, 1) if args.quick else (args.rounds, args.repeats)
+    rounds, repeats, compiles = (
+        (1, 1, 1) if args.quick else (args.rounds, args.repeats, args.compiles)
+    )
     results = {}
     for shape in shapes.all_shapes(quick=args.quick):
         print(f"{shape.name} ({shape.leaves} leaves) ...", flush=True)
-        results[(shape.name, shape.leaves)] = measure(shape, rounds=rounds, repeats=repeats)
+        results[(shape.name, shape.leaves)] = measure(
+            shape, rounds=rounds, repeats=repeats, compiles=compiles
+        )
     text = table(results)
     if args.sweep:
         points = sweep((1, 2) if args.quick else (3, 6, 12, 25, 50))

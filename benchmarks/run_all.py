@@ -48,15 +48,16 @@ def main(argv=None):
             ["--size", "100000", "--leaves", "100", "--rounds", "1"] if quick else [],
         )
     )
-    print("train step ...", flush=True)
-    sections.append(
-        quietly(
-            load("bench_train_step").main,
-            ["--batch", "8", "--width", "32", "--rounds", "1", "--repeats", "2"]
-            if quick
-            else ["--rounds", "15"],
-        )
+    print("train step on every model shape, and compile time against leaves ...", flush=True)
+    png = pathlib.Path(args.out).with_name("compile_vs_leaves.png")
+    text, _ = quietly(
+        load("bench_train_step").main, ["--sweep", str(png)] + (["--quick"] if quick else [])
     )
+    sections.append(text.split("\n\nCompile time against")[0])
+    sections.append(
+        "Compile time against" + text.split("\n\nCompile time against")[1]
+        + f"\n\n![compile time against leaves]({png.name})"
+    )  # fmt: skip
     for dtype in ("bfloat16", "float16"):
         print(f"autocast {dtype} ...", flush=True)
         small = ["--dim", "16", "--batch", "2", "--rounds", "1", "--repeats", "1"] if quick else []
