@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import pathlib
+import textwrap
 import time
 from pydoc_data.topics import topics
 
@@ -151,16 +153,19 @@ def train(policy_name, train_ids, val_ids, vocab, args):
         params, opt_state, loss, scale_value, skipped = step(params, opt_state, *next(data))
         history.append((loss, scale_value, skipped))
         if i % 25 == 0 or i == args.steps - 1:
-            done = i - 1  # steps finished since the clock started (after compiling)
+            # Wait for the device first: steps are dispatched asynchronously, so
+            # the clock alone would count queued steps as done.
+            jax.block_until_ready(loss)
+            done = i  # steps finished since the clock started (after compiling)
             tokens_s = (
                 done * args.batch * args.length / (time.perf_counter() - start) if done > 0 else 0.0
             )
             skipped_so_far = int(jmp.find_loss_scaling_state(opt_state).skipped_steps)
             bar.set_postfix(
                 loss=f"{float(loss):.3f}",
-                scale=f"{float(scale_value):g}",
-                skipped=skipped_so_far,
-                tok_s=f"{tokens_s:,.0f}",
+                scale=f"{format_scale(float(scale_value)):>5}",
+                skipped=f"{skipped_so_far:>3}",
+                tok_s=f"{tokens_s:>7,.0f}",
             )
     jax.block_until_ready(params)
     run.step_ms = 1e3 * (time.perf_counter() - start) / max(args.steps - 1, 1)
@@ -179,6 +184,14 @@ def train(policy_name, train_ids, val_ids, vocab, args):
     return run
 
 
+def format_scale(value: float) -> str:
+    """A loss scale in fixed width: `2^20` for powers of two, else 3 significant digits."""
+    exponent = math.log2(value) if value > 0 else None
+    if exponent is not None and exponent.is_integer():
+        return f"2^{exponent:.0f}"
+    return f"{value:.3g}"
+
+
 def smoothed(values, window=10):
     values = np.asarray(values)
     kernel = np.ones(min(window, len(values))) / min(window, len(values))
@@ -195,7 +208,7 @@ def plot(runs, out):
     fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     reference = next((r for r in runs if r.policy == "float32"), None)
     for run in runs:
-        ax.plot(smoothed(run.losses), label=f"{run.policy} (val {run.val_loss:.3f})")
+        ax.plot(smoothed(run.losses), label=f"{run.policy} (val {run.val_loss:.4f})")
         if reference is not None:
             gap = smoothed(np.asarray(run.losses) - np.asarray(reference.losses))
             diff.plot(gap, label=run.policy)
@@ -243,10 +256,35 @@ def summary(runs) -> str:
         rel = f"{100 * (r.val_loss / base - 1):+.1f}%" if base else "-"
         train_loss = float(np.mean(r.losses[-20:]))
         lines.append(
-            f"{r.policy:<16}{train_loss:>11.4f}{r.val_loss:>10.4f}{rel:>8}{r.skipped:>9}{r.final_scale:>13g}"
+            f"{r.policy:<16}{train_loss:>11.4f}{r.val_loss:>10.4f}{rel:>8}{r.skipped:>9}{format_scale(r.final_scale):>13}"
             f"{r.step_ms:>9.1f}{100 * r.half_share:>18.0f}%"
         )
     return "\n".join(lines)
+
+
+def conclusion(runs) -> str:
+    """What the run shows, in words, from its own figures."""
+    base = next((r for r in runs if r.policy == "float32"), None)
+    if base is None:
+        return ""
+    parts = []
+    for r in runs:
+        if r is base:
+            continue
+        gap = 100 * (r.val_loss / base.val_loss - 1)
+        skips = f", skipping {r.skipped} overflowing steps" if r.skipped else ""
+        parts.append(f"{r.policy} ended {gap:+.1f}% from float32's validation loss{skips}")
+    speed = ", ".join(f"{r.policy} {r.step_ms:.0f} ms" for r in runs)
+    backend = jax.default_backend()
+    if backend == "cpu":
+        timing = (
+            f"Step times ({speed}) show no gain: CPUs have no fast half-precision matmuls, so on a "
+            "CPU mixed precision saves memory, not time. Speed shows on a GPU or TPU: run "
+            "benchmarks/gpu_transformer.py there."
+        )
+    else:
+        timing = f"Step times on this {backend}: {speed}."
+    return "What this run shows: " + "; ".join(parts) + ". " + timing
 
 
 def main(argv=None):
@@ -275,6 +313,8 @@ def main(argv=None):
     ]
     print()
     print(summary(runs))
+    print()
+    print(textwrap.fill(conclusion(runs), width=100))
     paths = plot(runs, pathlib.Path(args.out))
     print("\nplots: " + ", ".join(str(p) for p in paths))
     return runs

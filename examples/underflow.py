@@ -1,6 +1,6 @@
 """Why loss scaling exists: float16 gradients of a small loss flush to zero.
 
-The source guide's core claim, made visible. A small MLP regresses a target
+Gradients below float16's smallest subnormal become 0, made visible. A small MLP regresses a target
 with a *small* loss (the mean squared error times a loss weight of 1e-6, as
 when a loss term is weighted down or averaged over many elements). In float16
 the backward pass then carries values below float16's smallest subnormal
@@ -142,7 +142,7 @@ def main(argv=None):
     fig, ax = plt.subplots(figsize=(7, 4))
     for (name, r), style in zip(results.items(), ("--", "-", ":"), strict=True):
         ax.plot(
-            r["losses"], style, label=f"{name} ({100 * r['underflow']:.0f}% of gradients flushed)"
+            r["losses"], style, label=f"{name} ({100 * r['underflow']:.1f}% of gradients flushed)"
         )
     ax.set(
         xlabel="step",

@@ -1,12 +1,45 @@
 """jmp_policy: mixed precision for JAX, Flax and optax.
 
-A drop-in for jmp (`import jmp_policy as jmp`), plus loss scaling as an optax
-transform, Flax integration, autocast and diagnostics.
+Compute in float16 or bfloat16 while the master weights stay in float32. The loss is scaled so
+that small float16 gradients survive, a step whose gradients overflow is skipped, and numerically
+fragile operations stay in float32. Everything is a pure function of pytrees: it runs under `jit`,
+`grad`, `vmap` and buffer donation. `import jmp_policy as jmp` is a drop-in for jmp.
+
+A loss-scaled train step:
+
+    tx = jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15))
+    opt_state = tx.init(params)                          # float32 master weights
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        loss, grads = jmp.value_and_scaled_grad(loss_fn)(opt_state, params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)  # skips on inf/NaN
+        return optax.apply_updates(params, updates), opt_state, loss
+
+What is here, by topic:
+
+- Policies: `Policy`, `get_policy` ("mixed_float16", "params=float32,compute=bfloat16"),
+  `cast_to_full`, `cast_to_half`, `half_dtype`.
+- Loss scales (pure pytree state): `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`;
+  `all_finite`, `leaf_finite_flags`, `leaf_finite_vector`, `select_tree`.
+- optax: `loss_scaling` (unscale, check, apply or skip, adjust: one transform),
+  `value_and_scaled_grad` (the loss for logging, the gradients for `update`), `get_loss_scale`,
+  `find_loss_scaling_state`, `LossScalingState`, `LeafFlags`.
+- Flax: `jmp_policy.linen.mixed_precision`, `jmp_policy.nnx.mixed_precision` (a policy on an
+  unmodified model, with float32 norms, softmax and batch statistics).
+- autocast: `autocast(fn, policy)` (matmuls and convs in half precision; exp, log, sums,
+  decompositions and FFTs in float32), `full_precision(fn)`, `AUTOCAST_ALLOW`, `AUTOCAST_DENY`,
+  `AUTOCAST_NO_HALF_KERNEL`, `precision_report`, `precision_census`.
+- Diagnostics: `loss_scaling_report`, `nonfinite_paths`, `check_loss_scaling`,
+  `NonFiniteLossError`.
+
+The guides and the API reference are in the repository's docs/ folder (`mkdocs serve`).
 """
 
 from jmp_policy import linen, nnx
 from jmp_policy.autocast import ALLOW as AUTOCAST_ALLOW
 from jmp_policy.autocast import DENY as AUTOCAST_DENY
+from jmp_policy.autocast import NO_HALF_KERNEL as AUTOCAST_NO_HALF_KERNEL
 from jmp_policy.autocast import autocast, full_precision
 from jmp_policy.census import Census, PrecisionReport, precision_census, precision_report
 from jmp_policy.diagnostics import (
@@ -27,6 +60,7 @@ from jmp_policy.loss_scale import (
     select_tree,
 )
 from jmp_policy.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
+from jmp_policy.scaled_grad import value_and_scaled_grad
 from jmp_policy.transform import (
     LeafFlags,
     LossScalingState,
@@ -40,6 +74,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AUTOCAST_ALLOW",
     "AUTOCAST_DENY",
+    "AUTOCAST_NO_HALF_KERNEL",
     "Census",
     "DynamicLossScale",
     "LeafFlags",
@@ -71,4 +106,5 @@ __all__ = (
     "precision_census",
     "precision_report",
     "select_tree",
+    "value_and_scaled_grad",
 )

@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jmp_policy.policy import Policy, check_policy, get_policy
+from jmp_policy.policy import Policy, check_policy
 
 try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
     from jax._src import source_info_util as _source_info
@@ -138,7 +138,7 @@ def _check_names(names: Any, argument: str) -> frozenset:
         raise ValueError(
             f"Unknown primitive name(s) {unknown} in `{argument}`: use names as they appear in "
             "a jaxpr (`jax.make_jaxpr(f)(x)`), e.g. 'dot_general', 'exp', 'reduce_sum', or the "
-            "names in jmp_policy.autocast.ALLOW / DENY."
+            "names in jmp_policy.AUTOCAST_ALLOW / AUTOCAST_DENY."
         )
     return names
 
@@ -468,7 +468,7 @@ def autocast(
       >>> jmp.precision_census(g, jnp.ones((3, 2)), jnp.ones((4, 3))).counts["dot_general"]
       {'bfloat16': 1}
     """
-    policy = check_policy(get_policy(policy) if isinstance(policy, str) else policy)
+    policy = check_policy(policy)
     if not callable(fun):
         raise TypeError(f"Expected a callable for `fun`, got {type(fun).__name__}.")
     allow, deny = _check_names(allow, "allow"), _check_names(deny, "deny")
@@ -489,7 +489,7 @@ def autocast(
 def full_precision(fun: Callable) -> Callable:
     """Marks `fun` as a float32 region, inside `autocast` or anywhere else.
 
-    The source guide's `with autocast(enabled=False): x = layer_norm(x.float())`:
+    JAX's counterpart of torch.amp's `with autocast(enabled=False): x = layer_norm(x.float())`:
     floating inputs are cast to float32 and every operation of `fun` runs in
     float32; an enclosing `autocast` leaves the region as it is.
 

@@ -33,7 +33,8 @@ class LossScalingReport:
       at_floor: whether S is at its floor (`min_loss_scale`); a skip there
         cannot be cured by a smaller scale.
       nonfinite_paths: the parameter paths whose gradients held inf/NaN in the
-        latest skipped step.
+        latest skipped step. `str()` names them only while the latest step was
+        a skipped one, so a log line does not repeat an old overflow.
     """
 
     loss_scale: float
@@ -49,7 +50,7 @@ class LossScalingReport:
             f"loss scale {self.loss_scale:g}; applied {self.applied_steps}, skipped "
             f"{self.skipped_steps} (current run {self.nonfinite_run})"
         )
-        if self.nonfinite_paths:
+        if self.last_step_skipped and self.nonfinite_paths:
             shown = ", ".join(self.nonfinite_paths[:5])
             more = len(self.nonfinite_paths) - 5
             text += f"; last non-finite gradients in {shown}" + (f" (+{more})" if more > 0 else "")

@@ -47,9 +47,8 @@ class MixedPrecisionModule:
             raise TypeError(
                 f"Expected a flax.linen.Module for `module`, got {type(module).__name__}."
             )
-        check_policy(policy)
         self.module = module
-        self.policy = policy
+        self.policy = check_policy(policy)
         self.overrides = Overrides(overrides, nn.Module)
         # Module path -> the policy it runs under, learnt from a trace (abstract,
         # so it costs no compute); needed to cast each parameter for its module.

@@ -229,7 +229,7 @@ class DynamicLossScale:
       backoff_factor: multiplies S on a non-finite step, in (0, 1); default
         `1 / factor`.
       max_loss_scale: the cap for S; default none (S still never becomes inf).
-        The source guide suggests `2**24`.
+        `2**24` is a common choice (Apex's cap).
       hysteresis: back off only from the `hysteresis`-th consecutive non-finite
         step on (Megatron's and Apex's option); every non-finite step is still
         skipped. 1 backs off at once.

@@ -97,7 +97,7 @@ def mixed_precision(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"Expected a flax.nnx.Module for `model`, got {type(model).__name__}.")
-    check_policy(policy)
+    policy = check_policy(policy)
     rules = Overrides(overrides, nnx.Module)
     modules = {
         tuple(str(p) for p in path): node
@@ -135,7 +135,7 @@ def attention_with_float32_softmax(
 
     A drop-in `attention_fn` for `nnx.MultiHeadAttention` (same arguments as
     `nnx.dot_product_attention`). Both matmuls run in the compute dtype; the
-    softmax runs in float32 (the source guide: softmax is forced to fp32), and
+    softmax runs in float32 (exp overflows float16 above ~11), and
     the weights go back to the value's dtype for the second matmul. It also avoids
     `jax.nn.dot_product_attention`'s float16 path, which asks for the
     F16_F16_F32 dot algorithm that XLA:CPU cannot compile.

@@ -31,8 +31,8 @@ class Overrides:
             )
         self.classes: list[tuple[type, Policy]] = []
         self.patterns: list[tuple[Any, Policy]] = []
-        for key, policy in overrides.items():
-            check_policy(policy, f"{argument}[{key!r}]")
+        for key, given in overrides.items():
+            policy = check_policy(given, f"{argument}[{key!r}]")
             if isinstance(key, type) and issubclass(key, module_base):
                 self.classes.append((key, policy))
             elif isinstance(key, (str, re.Pattern)):

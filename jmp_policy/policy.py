@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from typing import Any, TypeVar
 
 import jax
@@ -161,6 +162,50 @@ def _suggest(word: str, choices) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+# Spellings people write for the words of a preset name.
+_WORD_ALIASES = {
+    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
+    "bf16": "bfloat16", "bfloat": "bfloat16", "bfloat16": "bfloat16",
+    "mixed": "mixed", "mix": "mixed", "amp": "mixed",
+}  # fmt: skip
+_FLOAT8_NAMES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _closest_policy_name(name: str) -> str | None:
+    """The preset or dtype a mistyped policy name most likely meant.
+
+    Presets first: `mixed-float16`, `mixed_fp16` and `fp16_mixed` mean
+    `mixed_float16`, not the pure `float16` that spelling is closest to.
+    """
+    words = [w for w in re.split(r"[\s_\-./]+", name.lower()) if w]
+    known = [_WORD_ALIASES.get(w, w) for w in words]
+    halves = [w for w in known if w in ("float16", "bfloat16")]
+    if len(words) == 2 and words[0] in _KEY_ALIASES:
+        return f"{words[0]}={words[1]}"  # compute_float16: the 'key=dtype' form
+    if "mixed" in known and len(set(halves)) == 1:
+        return f"mixed_{halves[0]}"
+    if any(w.startswith(("float8", "fp8", "f8", "e4m3", "e5m2")) for w in words):
+        return _FLOAT8_NAMES[0]
+    if len(known) == 1 and known[0] in ("float16", "bfloat16") and known[0] != name:
+        return known[0]
+    choices = [*_PRESETS, "float32", "float16", "bfloat16", *_DTYPE_ALIASES]
+    close = difflib.get_close_matches(name.lower(), choices, n=1)
+    return close[0] if close else None
+
+
+def _unknown_policy_name(name: str) -> ValueError:
+    guess = _closest_policy_name(name)
+    return ValueError(
+        # "Unknown dtype" first: jmp's own tests (run against us) match it.
+        f"Unknown dtype or policy name {name!r} for `policy_name`: expected a preset "
+        f"({', '.join(_PRESETS)}: float32 params and outputs, half-precision compute), a "
+        f"dtype for everything ({', '.join(['half', *_DTYPE_ALIASES])}, or another floating "
+        "dtype such as float8_e4m3fn), or 'key=dtype' pairs such as "
+        "'params=float32,compute=float16,output=float32'."
+        + (f" Did you mean {guess!r}?" if guess else "")
+    )
+
+
 def _parse_dtype(value: str, policy_name: str) -> np.dtype:
     value = value.strip()
     if value == "half":
@@ -224,7 +269,10 @@ def get_policy(policy_name: str) -> Policy:
                 "Expected a dtype, a preset or 'key=dtype' pairs for `policy_name`, "
                 "got an empty string."
             )
-        dtype = _parse_dtype(name, policy_name)
+        try:
+            dtype = _parse_dtype(name, policy_name)
+        except ValueError:
+            raise _unknown_policy_name(name) from None
         return Policy(dtype, dtype, dtype)
 
     chosen: dict[str, np.dtype] = {}
@@ -252,11 +300,34 @@ def get_policy(policy_name: str) -> Policy:
 
 
 def check_policy(policy: Any, argument: str = "policy") -> Policy:
-    """Returns `policy` if it is a `Policy`, else raises a TypeError naming `argument`."""
+    """Returns `policy` as a `Policy`: a `Policy` as is, a name through `get_policy`.
+
+    Anything else (a dtype, another object) raises a TypeError naming
+    `argument` and saying what to pass instead.
+    """
+    if isinstance(policy, str):
+        return get_policy(policy)
     if not isinstance(policy, Policy):
+        try:
+            dtype = jnp.dtype(policy)
+        except TypeError:
+            dtype = None
+        if dtype is not None and not isinstance(policy, str):
+            half = f"mixed_{dtype.name}" if dtype.name in ("float16", "bfloat16") else None
+            fix = (
+                f"For mixed precision (float32 master weights, {dtype.name} compute) pass "
+                f"'{half}' or jmp_policy.get_policy('{half}'); "
+                if half
+                else ""
+            )
+            raise TypeError(
+                f"Expected a jmp_policy.Policy or a policy name for `{argument}`, got the dtype "
+                f"{dtype.name}. A policy has three dtypes (params, compute, output). {fix}to "
+                f"run everything in {dtype.name}, pass '{dtype.name}'."
+            )
         raise TypeError(
-            "Expected a jmp_policy.Policy (e.g. jmp_policy.get_policy('mixed_float16')) for "
-            f"`{argument}`, got {type(policy).__name__}."
+            "Expected a jmp_policy.Policy (e.g. jmp_policy.get_policy('mixed_float16')) or a "
+            f"policy name for `{argument}`, got {type(policy).__name__}: {policy!r}."
         )
     return policy
 

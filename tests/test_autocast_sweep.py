@@ -4,6 +4,7 @@ and jnp.fft function, applied to a half-precision matmul output."""
 import inspect
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import jax.scipy.linalg
 import numpy as np
@@ -57,7 +58,7 @@ def _first_working_call(fn):
 def _all_eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _all_eqns(sub)
 
 

@@ -6,6 +6,7 @@ import warnings
 import chex
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -303,7 +304,8 @@ def test_nnx_path_override_and_nesting():
         ({3: jmp.get_policy("float32")}, TypeError, "key of `overrides`"),
         ({nn.Dense(3): jmp.get_policy("float32")}, TypeError, "key of `overrides`"),
         ({int: jmp.get_policy("float32")}, TypeError, "key of `overrides`"),
-        ({"head": "float32"}, TypeError, r"Policy .* for `overrides\['head'\]`"),
+        # A name is a policy too; a dtype is explained.
+        ({"head": jnp.float32}, TypeError, r"Policy .* for `overrides\['head'\]`, got the dtype"),
         ([], TypeError, "mapping"),
     ],
 )
@@ -318,7 +320,7 @@ def test_bad_overrides(overrides, error, match):
 
 def test_bad_policy_and_module():
     with pytest.raises(TypeError, match="`policy`"):
-        jmp.linen.mixed_precision(LinenBlock(), "mixed_float16")
+        jmp.linen.mixed_precision(LinenBlock(), jnp.float16)
     with pytest.raises(TypeError, match="`module`"):
         jmp.linen.mixed_precision(NNXBlock(rngs=nnx.Rngs(0)), jmp.get_policy("float32"))
     with pytest.raises(TypeError, match="`model`"):
@@ -426,7 +428,7 @@ def test_linen_lifted_transforms_keep_the_carry_dtype():
 def _all_eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _all_eqns(sub)
 
 

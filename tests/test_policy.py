@@ -160,7 +160,22 @@ def test_get_policy(name, expected):
         ("p=f32=x", ValueError, r"'key=dtype' pairs .* 'p=f32=x'"),
         ("compute=flaot16", ValueError, r"Unknown dtype 'flaot16'.*Did you mean 'float16'"),
         ("comptue=float16", ValueError, r"Unknown key 'comptue'.*Did you mean 'compute'"),
-        ("compute_float16", ValueError, "Unknown dtype"),
+        (
+            "compute_float16",
+            ValueError,
+            r"Unknown dtype or policy name.*Did you mean 'compute=float16'",
+        ),
+        # A preset is suggested before the pure half dtype the spelling is closest to.
+        (
+            "mixed-float16",
+            ValueError,
+            r"mixed_float16, mixed_bfloat16.*Did you mean 'mixed_float16'",
+        ),
+        ("mixed_fp16", ValueError, r"Did you mean 'mixed_float16'"),
+        ("fp16_mixed", ValueError, r"Did you mean 'mixed_float16'"),
+        ("bf16 mixed", ValueError, r"Did you mean 'mixed_bfloat16'"),
+        ("float8", ValueError, r"Did you mean 'float8_e4m3fn'"),
+        ("flaot32", ValueError, r"Did you mean 'float32'"),
         ("c=f16,c=f32", ValueError, "given twice"),
         ("c=int32", ValueError, "Unknown dtype 'int32'"),
         ("", ValueError, "empty"),
@@ -278,3 +293,20 @@ def test_cast_property(tree, dtype):
                 assert after is before
         else:
             assert after is before
+
+
+@pytest.mark.parametrize("where", ["autocast", "linen", "nnx"])
+def test_a_dtype_where_a_policy_is_expected_is_explained(where):
+    import flax.linen as nn
+    from flax import nnx
+
+    calls = {
+        "autocast": lambda p: jmp.autocast(lambda x: x, p),
+        "linen": lambda p: jmp.linen.mixed_precision(nn.Dense(2), p),
+        "nnx": lambda p: jmp.nnx.mixed_precision(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), p),
+    }
+    with pytest.raises(TypeError, match=r"got the dtype float16.*'mixed_float16'.*'float16'"):
+        calls[where](jnp.float16)
+    with pytest.raises(TypeError, match=r"or a policy name for `policy`, got object"):
+        calls[where](object())
+    calls[where]("mixed_bfloat16")  # a name is accepted everywhere
