@@ -4,7 +4,7 @@
 matmuls and convolutions in float16, exp/log/softmax sums/normalisation
 statistics in float32, everything else in the widest dtype of its inputs. The
 model code is plain Flax (float32 parameters, no dtype arguments). Prints the
-precision report, then trains. About 15 s on 2 CPU cores:
+precision report, then trains. About 20 s on 2 CPU cores:
 
     python examples/autocast_flax.py [--steps 150] [--policy mixed_float16]
 """

@@ -4,7 +4,7 @@ The model is plain Flax NNX; `jmp_policy.nnx.mixed_precision` sets its layers
 to compute in float16 with float32 LayerNorms and a float32 softmax, keeps the
 parameters in float32, and `nnx.Optimizer` runs Adam through
 `jmp_policy.loss_scaling`. The task is synthetic: does a sequence of tokens
-contain more 1s than 2s. About 25 s on 2 CPU cores:
+contain more 1s than 2s. About 15 s on 2 CPU cores:
 
     python examples/nnx_transformer.py [--steps 200] [--policy mixed_float16]
 """

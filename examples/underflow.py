@@ -14,7 +14,7 @@ scaled up by the same factor:
   curve matches float32.
 
 Prints the fraction of gradient entries that underflow (exactly 0 where
-float32's are not) and writes a plot. About 10 s on 2 CPU cores:
+float32's are not) and writes a plot. About 12 s on 2 CPU cores:
 
     python examples/underflow.py [--steps 300] [--loss-weight 1e-6]
 """
