@@ -49,14 +49,12 @@ from jmp_policy.diagnostics import (
     loss_scaling_report,
     nonfinite_paths,
 )
+from jmp_policy.finite import all_finite, leaf_finite_flags, leaf_finite_vector
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
-    all_finite,
-    leaf_finite_flags,
-    leaf_finite_vector,
     select_tree,
 )
 from jmp_policy.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype

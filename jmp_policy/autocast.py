@@ -185,7 +185,8 @@ def _eval_jaxpr(jaxpr: Any, consts: list, args: list, rules: _Rules) -> list:
 
     def read(v):
         if isinstance(v, jcore.Literal):
-            return np.asarray(v.val, v.aval.dtype) if hasattr(v.aval, "dtype") else v.val
+            dtype = getattr(v.aval, "dtype", None)
+            return v.val if dtype is None else np.asarray(v.val, dtype)
         return env[v]
 
     for var, value in zip(jaxpr.constvars, consts, strict=True):

@@ -88,7 +88,7 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
     state = find_loss_scaling_state(opt_state)
     scale = state.loss_scale
     scale_value = float(_host(scale.loss_scale))
-    at_floor = isinstance(scale, DynamicLossScale) and scale_value <= scale._floor()
+    at_floor = isinstance(scale, DynamicLossScale) and scale_value <= scale.floor
     paths = state.nonfinite_leaves.paths()
     return LossScalingReport(
         loss_scale=scale_value,

@@ -15,8 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import flax.serialization
 import jax
@@ -24,6 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_policy._validation import (
+    check_flag,
+    int_leaf,
+    positive_number,
+    scale_leaf,
+    whole_number,
+)
 from jmp_policy.policy import is_floating_array
 
 T = TypeVar("T")
@@ -31,8 +37,6 @@ T = TypeVar("T")
 # The floor below which a scale may never go, whatever `min_loss_scale` says:
 # a zero scale would turn every unscaled gradient into inf or NaN.
 _TINY = float(np.finfo(np.float32).tiny)
-# all_finite adds leaves smaller than this together before reducing them.
-_GROUPED_LEAF_SIZE = 2**16
 
 
 def _at_least_float32(x: jax.Array) -> jax.Array:
@@ -49,89 +53,6 @@ def _unscale_floating(tree: T, scale: Any) -> T:
     # Division rather than multiplication by 1/S: exactly rounded, and 1/S can
     # be a denormal that CPUs flush to zero.
     return jax.tree.map(lambda x: _at_least_float32(x) / scale if is_floating_array(x) else x, tree)
-
-
-def _positive_number(value: Any, argument: str, *, allow_zero: bool = False) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (numbers.Real, np.ndarray, np.generic, jax.Array)
-    ):
-        raise TypeError(f"Expected a positive finite number for `{argument}`, got {value!r}.")
-    if isinstance(value, (np.ndarray, jax.Array)) and value.shape != ():
-        raise TypeError(f"Expected a scalar for `{argument}`, got an array of shape {value.shape}.")
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"Expected a concrete number for `{argument}` (it is static configuration), "
-            "got a traced value: build the loss scale outside `jit`."
-        )
-    if hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.floating):
-        raise TypeError(
-            f"Expected a Python number or a floating scalar for `{argument}`, got dtype "
-            f"{value.dtype}."
-        )
-    number = float(value)
-    low_ok = number >= 0 if allow_zero else number > 0
-    if not (low_ok and math.isfinite(number)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"Expected a finite number {bound} for `{argument}`, got {number}.")
-    return number
-
-
-def _scale_leaf(value: Any, argument: str) -> Any:
-    """Checks and converts a loss-scale leaf to float32.
-
-    Leaves are also rebuilt by JAX itself (unflatten with tracers, abstract
-    values or placeholder objects, batched or stacked arrays), so only Python
-    and NumPy values, which only a user gives, are checked by value and shape;
-    JAX arrays are checked by dtype alone, which never waits on the device and
-    lets a state be batched (`vmap` of `init`) or stacked.
-    """
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"Expected a positive float for `{argument}`, got {value!r}.")
-    if isinstance(value, numbers.Real) or isinstance(value, (np.ndarray, np.generic)):
-        if hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.floating):
-            raise TypeError(
-                f"Expected a floating array (float32) or a Python number for `{argument}`, "
-                f"got an array of dtype {value.dtype}. Python numbers are converted for you."
-            )
-        number = _positive_number(value, argument)
-        # A JAX array from the start: a jitted step then sees the same argument
-        # types on its first and later calls, and compiles once.
-        return jnp.asarray(number, jnp.float32)
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not hasattr(value, "shape"):
-        return value  # A placeholder JAX uses while rebuilding the tree.
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"Expected a floating array (float32) or a Python number for `{argument}`, "
-            f"got an array of dtype {dtype}. Python numbers are converted for you."
-        )
-    if isinstance(value, jax.Array) and dtype != jnp.float32:
-        return value.astype(jnp.float32)
-    return value
-
-
-def _int_leaf(value: Any, argument: str) -> Any:
-    if isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, bool):
-        return jnp.asarray(value, jnp.int32)
-    if isinstance(value, (bool, numbers.Real)):
-        raise TypeError(f"Expected an integer for `{argument}`, got {value!r}.")
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"Expected an int32 scalar for `{argument}`, got dtype {dtype}.")
-    return value
-
-
-def _check_flag(grads_finite: Any, argument: str = "grads_finite") -> jax.Array:
-    if isinstance(grads_finite, bool):
-        return jnp.asarray(grads_finite)
-    shape = getattr(grads_finite, "shape", None)
-    dtype = getattr(grads_finite, "dtype", None)
-    if shape != () or dtype != jnp.bool_:
-        got = f"shape {shape}, dtype {dtype}" if dtype is not None else repr(grads_finite)
-        raise TypeError(
-            f"Expected a scalar boolean (e.g. from `all_finite`) for `{argument}`, got {got}."
-        )
-    return grads_finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +80,7 @@ class NoOpLossScale:
 
     def adjust(self, grads_finite: Any) -> NoOpLossScale:
         """Returns `self` (the flag is checked, then ignored)."""
-        _check_flag(grads_finite)
+        check_flag(grads_finite)
         return self
 
 
@@ -185,7 +106,7 @@ class StaticLossScale:
     loss_scale: float = dataclasses.field(metadata=dict(static=True))
 
     def __post_init__(self):
-        object.__setattr__(self, "loss_scale", _positive_number(self.loss_scale, "loss_scale"))
+        object.__setattr__(self, "loss_scale", positive_number(self.loss_scale, "loss_scale"))
 
     def scale(self, tree: T) -> T:
         """Multiplies the floating leaves of `tree` by S, in at least float32."""
@@ -197,7 +118,7 @@ class StaticLossScale:
 
     def adjust(self, grads_finite: Any) -> StaticLossScale:
         """Returns `self` (the flag is checked, then ignored)."""
-        _check_flag(grads_finite)
+        check_flag(grads_finite)
         return self
 
 
@@ -270,30 +191,30 @@ class DynamicLossScale:
 
     def __post_init__(self):
         setattr_ = functools.partial(object.__setattr__, self)
-        setattr_("loss_scale", _scale_leaf(self.loss_scale, "loss_scale"))
-        setattr_("counter", _int_leaf(self.counter, "counter"))
-        setattr_("period", _whole_number(self.period, "period", low=1))
-        setattr_("factor", _positive_number(self.factor, "factor"))
+        setattr_("loss_scale", scale_leaf(self.loss_scale, "loss_scale"))
+        setattr_("counter", int_leaf(self.counter, "counter"))
+        setattr_("period", whole_number(self.period, "period", low=1))
+        setattr_("factor", positive_number(self.factor, "factor"))
         if self.factor <= 1:
             raise ValueError(f"Expected a number > 1 for `factor`, got {self.factor}.")
         setattr_(
             "min_loss_scale",
-            _positive_number(self.min_loss_scale, "min_loss_scale", allow_zero=True),
+            positive_number(self.min_loss_scale, "min_loss_scale", allow_zero=True),
         )
         backoff = 1.0 / self.factor if self.backoff_factor is None else self.backoff_factor
-        backoff = _positive_number(backoff, "backoff_factor")
+        backoff = positive_number(backoff, "backoff_factor")
         if not backoff < 1:
             raise ValueError(f"Expected a number in (0, 1) for `backoff_factor`, got {backoff}.")
         setattr_("backoff_factor", backoff)
         cap = math.inf if self.max_loss_scale is None else self.max_loss_scale
         if cap != math.inf:
-            cap = _positive_number(cap, "max_loss_scale")
+            cap = positive_number(cap, "max_loss_scale")
         if cap < self.min_loss_scale:
             raise ValueError(
                 f"Expected `min_loss_scale` <= `max_loss_scale`, got {self.min_loss_scale} > {cap}."
             )
         setattr_("max_loss_scale", cap)
-        setattr_("hysteresis", _whole_number(self.hysteresis, "hysteresis", low=1))
+        setattr_("hysteresis", whole_number(self.hysteresis, "hysteresis", low=1))
         if not isinstance(self.warmup, (bool, np.bool_)):
             raise TypeError(f"Expected True or False for `warmup`, got {self.warmup!r}.")
         setattr_("warmup", bool(self.warmup))
@@ -304,12 +225,13 @@ class DynamicLossScale:
         if self.hysteresis > 1 and self.nonfinite_run is None:
             setattr_("nonfinite_run", jnp.zeros((), jnp.int32))
         else:
-            setattr_("nonfinite_run", _int_leaf(self.nonfinite_run, "nonfinite_run"))
+            setattr_("nonfinite_run", int_leaf(self.nonfinite_run, "nonfinite_run"))
         if self.warmup and self.warming_up is None:
             setattr_("warming_up", jnp.asarray(True))
 
-    def _floor(self) -> float:
-        # The lowest S can go: `min_loss_scale`, but never 0.
+    @property
+    def floor(self) -> float:
+        """The lowest S can go: `min_loss_scale`, but never below float32's smallest normal."""
         return max(self.min_loss_scale, _TINY)
 
     def scale(self, tree: T) -> T:
@@ -329,26 +251,28 @@ class DynamicLossScale:
         Returns:
           The adjusted `DynamicLossScale`; pure, so it runs under `jit`.
         """
-        finite = _check_flag(grads_finite)
+        finite = check_flag(grads_finite)
         scale = jnp.asarray(self.loss_scale, jnp.float32)
         counter = jnp.asarray(self.counter, jnp.int32) + 1
         grow = counter >= self.period
         if self.warmup:
             grow = grow | self.warming_up
         grown = scale * self.factor
-        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), scale)
+        # __post_init__ made the optional configuration numbers (inf: no cap).
+        cap, backoff_factor = cast(float, self.max_loss_scale), cast(float, self.backoff_factor)
+        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, cap), scale)
 
         backoff = ~finite
         run = None
         if self.hysteresis > 1:
             run = jnp.where(finite, 0, jnp.minimum(self.nonfinite_run + 1, self.hysteresis))
             backoff = backoff & (run >= self.hysteresis)
-        floor = self._floor()
-        shrunk = jnp.maximum(scale * self.backoff_factor, floor)
+        floor = self.floor
+        shrunk = jnp.maximum(scale * backoff_factor, floor)
 
         new_scale = jnp.where(finite & grow, grown, jnp.where(backoff, shrunk, scale))
         new_counter = jnp.where(finite & ~grow, counter, 0)
-        changes = dict(loss_scale=new_scale, counter=new_counter)
+        changes: dict[str, Any] = dict(loss_scale=new_scale, counter=new_counter)
         if self.hysteresis > 1:
             changes["nonfinite_run"] = run
         if self.warmup:
@@ -356,18 +280,7 @@ class DynamicLossScale:
         return _rebuild(self, **changes)
 
 
-def _whole_number(value: Any, argument: str, *, low: int) -> int:
-    integral = isinstance(value, (numbers.Integral, np.integer)) or (
-        isinstance(value, float) and value.is_integer()
-    )
-    if isinstance(value, bool) or not integral:
-        raise TypeError(f"Expected an integer >= {low} for `{argument}`, got {value!r}.")
-    if int(value) < low:
-        raise ValueError(f"Expected an integer >= {low} for `{argument}`, got {value}.")
-    return int(value)
-
-
-def _rebuild(state: T, **changes) -> T:
+def _rebuild(state: Any, **changes) -> Any:
     # `adjust` makes values that are valid by construction: skip `__post_init__`
     # so an eager step never waits on the device to validate them.
     new = object.__new__(type(state))
@@ -405,118 +318,6 @@ for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 
-def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
-    """Returns a scalar bool: whether every floating leaf of `tree` is finite.
-
-    `x - x` is NaN exactly where `x` is inf or NaN (a plain sum could overflow
-    from finite values; `x * 0` is wrong under `jit`, where XLA folds
-    `(y * 4) * 0` into `y * 0`, which is 0 for a `y * 4` that overflows). Small
-    leaves of the same shape and dtype are added together element-wise first,
-    so there is one reduction per distinct shape rather than one per leaf
-    (kernel launches dominate for small leaves); large leaves are reduced one
-    by one, which needs no temporary buffer. Non-floating leaves are ignored;
-    an empty tree is finite.
-
-    Args:
-      tree: any pytree.
-      axis_name: a mapped axis name (or tuple of names) of `pmap`/`shard_map`;
-        when given, the result is True only if it is True on every device, so
-        all replicas take the same decision.
-
-    Returns:
-      A scalar bool array.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> import jmp_policy as jmp
-      >>> bool(jmp.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
-      False
-      >>> bool(jmp.all_finite({"step": jnp.int32(3)}))
-      True
-    """
-    leaves = jax.tree.leaves(tree)
-    groups = _groups(leaves)
-    if not groups:
-        return _agree(jnp.asarray(True), axis_name)
-    flags = []
-    for positions in groups.values():
-        nans = [leaves[i] - leaves[i] for i in positions]
-        while len(nans) > 1:  # a balanced tree of adds: XLA fuses it into one loop
-            pairs = range(0, len(nans) - 1, 2)
-            nans = [nans[i] + nans[i + 1] for i in pairs] + nans[len(nans) - len(nans) % 2 :]
-        flags.append(_sum_is_finite(nans[0]))
-    return _agree(jnp.stack(flags).all(), axis_name)
-
-
-def _groups(leaves: list) -> dict[Any, list[int]]:
-    """Positions of the floating leaves, grouped: small leaves by shape and dtype, large alone."""
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        if is_floating_array(x):
-            key = (x.shape, x.dtype) if x.size < _GROUPED_LEAF_SIZE else i
-            groups.setdefault(key, []).append(i)
-    return groups
-
-
-def _sum_is_finite(nans: jax.Array) -> jax.Array:
-    # `nans` holds only zeros and NaNs: the sum is NaN exactly when one is.
-    return jnp.isfinite(jnp.sum(nans, dtype=jnp.float32))
-
-
-def _agree(finite: jax.Array, axis_name: Any) -> jax.Array:
-    if axis_name is None:
-        return finite
-    return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-
-
-def leaf_finite_vector(tree: Any, axis_name: Any = None) -> jax.Array:
-    """Returns one bool per leaf of `tree`, packed in a vector: whether that leaf is finite.
-
-    Leaves are in `jax.tree.leaves` order; non-floating leaves are True. With
-    `axis_name` the flags are agreed across devices in one collective.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> import jmp_policy as jmp
-      >>> jmp.leaf_finite_vector({"a": jnp.ones(2), "b": jnp.array([jnp.nan]), "n": 3})
-      Array([ True, False,  True], dtype=bool)
-    """
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.zeros((0,), jnp.bool_)
-    # As in `all_finite`: small leaves of one shape and dtype are stacked and
-    # reduced together (one reduction per shape, not per leaf: a transformer's
-    # hundreds of leaves have a dozen shapes), large ones one by one. The flags
-    # come back in leaf order through one static permutation.
-    order: list[int] = []
-    parts = []
-    for positions in _groups(leaves).values():
-        stacked = jnp.stack([leaves[i] for i in positions]).reshape(len(positions), -1)
-        parts.append(jnp.isfinite(jnp.sum(stacked - stacked, axis=1, dtype=jnp.float32)))
-        order += positions
-    grouped = set(order)
-    others = [i for i in range(len(leaves)) if i not in grouped]
-    parts.append(jnp.ones(len(others), jnp.bool_))
-    finite = jnp.concatenate(parts)[np.argsort(order + others)]
-    return _agree(finite, axis_name)
-
-
-def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
-    """Returns `tree` with a scalar bool at every leaf: whether that leaf is finite.
-
-    `leaf_finite_vector`, unpacked into the structure of `tree`.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> import jmp_policy as jmp
-      >>> jmp.leaf_finite_flags({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
-      {'a': Array(True, dtype=bool), 'b': Array(False, dtype=bool)}
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    flags = leaf_finite_vector(leaves, axis_name)
-    return jax.tree.unflatten(treedef, [flags[i] for i in range(len(leaves))])
-
-
 def select_tree(pred: Any, a: T, b: T) -> T:
     """Returns `a` where the scalar bool `pred` is True, else `b`, leaf by leaf.
 
@@ -526,5 +327,5 @@ def select_tree(pred: Any, a: T, b: T) -> T:
       >>> jmp.select_tree(jnp.asarray(False), {"x": jnp.ones(2)}, {"x": jnp.zeros(2)})
       {'x': Array([0., 0.], dtype=float32)}
     """
-    pred = _check_flag(pred, "pred")
+    pred = check_flag(pred, "pred")
     return jax.tree.map(functools.partial(lax.select, pred), a, b)

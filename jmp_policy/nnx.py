@@ -160,6 +160,8 @@ def attention_with_float32_softmax(
     if module is not None:
         module.sow(nnx.Intermediate, "attention_weights", weights)
     if not deterministic and dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError("Expected a PRNG key for `dropout_rng` when dropout is on, got None.")
         keep_prob = 1.0 - dropout_rate
         shape = (
             (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
@@ -172,13 +174,14 @@ def attention_with_float32_softmax(
 
 
 def _apply_to_module(module: nnx.Module, policy: Policy) -> None:
+    # setattr: Flax's layers declare these attributes, nnx.Module does not.
     if hasattr(module, "dtype"):
-        module.dtype = policy.compute_dtype
+        setattr(module, "dtype", policy.compute_dtype)  # noqa: B010
     half = policy.compute_dtype != jnp.float32
     if half and getattr(module, "attention_fn", None) is nnx.dot_product_attention:
-        module.attention_fn = attention_with_float32_softmax
+        setattr(module, "attention_fn", attention_with_float32_softmax)  # noqa: B010
     if hasattr(module, "param_dtype"):
-        module.param_dtype = policy.param_dtype
+        setattr(module, "param_dtype", policy.param_dtype)  # noqa: B010
     for value in vars(module).values():
         if isinstance(value, nnx.Param):
             value.set_value(policy.cast_to_param(value.get_value()))

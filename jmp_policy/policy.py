@@ -262,7 +262,7 @@ def get_policy(policy_name: str) -> Policy:
     name = policy_name.strip()
     if name in _PRESETS:
         half = np.dtype(jnp.dtype(name.removeprefix("mixed_")))
-        return Policy(np.float32, half, np.float32)
+        return Policy(np.dtype(np.float32), half, np.dtype(np.float32))
     if "=" not in name:
         if not name:
             raise ValueError(

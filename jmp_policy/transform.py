@@ -18,14 +18,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jmp_policy.finite import unscaled_finite
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
-    _agree,
-    all_finite,
-    leaf_finite_vector,
 )
 from jmp_policy.policy import is_floating_array
 
@@ -231,7 +229,7 @@ def loss_scaling(
         loss_scale = state.loss_scale
         large = _large_leaves(updates)
         old_flags = state.nonfinite_leaves
-        finite, flags = _unscaled_finite(updates, loss_scale, old_flags.flags, axis_name, large)
+        finite, flags = unscaled_finite(updates, loss_scale, old_flags.flags, axis_name, large)
 
         def apply(scaled_grads, inner_state):
             # Unscaled here, fused into the optimizer's first pass: the
@@ -259,7 +257,8 @@ def loss_scaling(
         )
         return new_updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # LossScalingState is an optax state (a pytree); optax's aliases do not say so.
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def _large_leaves(grads: Any) -> bool:
@@ -271,46 +270,6 @@ def _large_leaves(grads: Any) -> bool:
     """
     sizes = [x.size for x in jax.tree.leaves(grads) if is_floating_array(x)]
     return bool(sizes) and sum(sizes) >= _LARGE_LEAF * len(sizes)
-
-
-def _unscaled_finite(
-    scaled_grads: Any, loss_scale: LossScale, old_flags: jax.Array, axis_name: Any, quick: bool
-) -> tuple[jax.Array, jax.Array]:
-    """Whether `loss_scale.unscale(scaled_grads)` is all finite, and the new packed leaf flags.
-
-    The decision is exact either way, and agreed across devices with
-    `axis_name`. Which leaves held inf/NaN is worked out only when the answer
-    is no (the flags are `old_flags` otherwise), so applied steps do no
-    per-leaf work.
-
-    `quick`: first the sum of squares of the scaled gradients (dot products
-    that run at memory speed), finite only if every value is; with S >= 1 the
-    unscaled values are then finite too. Only when that fails (an overflowing
-    step, finite values whose squares overflow, or S < 1) does the exact
-    per-leaf test run. Everything that reads the gradients happens here, before
-    the step, so the step may write its updates over them. Otherwise:
-    `all_finite` of the unscaled values (fused, never stored) at once.
-    """
-    unscaled = lambda: loss_scale.unscale(scaled_grads)  # noqa: E731
-
-    def per_leaf():
-        ok = leaf_finite_vector(unscaled(), axis_name)
-        finite = ok.all()
-        return finite, jnp.where(finite, old_flags, ~ok)
-
-    if not quick:
-        finite = all_finite(unscaled(), axis_name=axis_name)
-        return finite, lax.cond(finite, lambda: old_flags, lambda: per_leaf()[1])
-    squares = [
-        jnp.vdot(x, x, preferred_element_type=jnp.float32)
-        for x in jax.tree.leaves(scaled_grads)
-        if is_floating_array(x)
-    ]
-    trusted = jnp.isfinite(sum(squares)) & (jnp.asarray(loss_scale.loss_scale) >= 1)
-    # Agreed first, so every device takes the same branch (the exact one has
-    # its own collective).
-    trusted = _agree(trusted, axis_name)
-    return lax.cond(trusted, lambda: (jnp.asarray(True), old_flags), per_leaf)
 
 
 def _same_types(a: Any, b: Any) -> bool:

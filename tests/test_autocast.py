@@ -248,10 +248,27 @@ def test_integer_bool_and_key_values_untouched():
         noise = jax.random.normal(key, (2, 2))
         return jnp.where(mask, x[idx] + noise, 0.0).sum(), idx * 2
 
-    out, idx2 = jmp.autocast(f)(
-        jnp.ones((3, 2)), jnp.array([0, 2]), jnp.array([True, False]), jax.random.key(0)
-    )
+    args = (jnp.ones((3, 2)), jnp.array([0, 2]), jnp.array([True, False]), jax.random.key(0))
+    mixed = jmp.autocast(f, "mixed_float16")
+    out, idx2 = mixed(*args)
     assert idx2.dtype == jnp.int32 and out.dtype == F32
+    # The values are untouched (the output cast alone would hide a cast of an
+    # index, a mask or a key): same indices, same mask, same random numbers.
+    expected_out, expected_idx2 = f(*args)
+    assert idx2.tolist() == expected_idx2.tolist()
+    np.testing.assert_allclose(out, expected_out, rtol=1e-3)
+
+    # And autocast adds no convert of an integer, bool or key value (the
+    # original already converts random bits to floats once).
+    def non_floating_converts(fn):
+        return sorted(
+            str(e.invars[0].aval.dtype)
+            for e in iter_equations(jax.make_jaxpr(fn)(*args))
+            if e.primitive.name == "convert_element_type"
+            and not jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating)
+        )
+
+    assert non_floating_converts(mixed) == non_floating_converts(f)
 
 
 def test_custom_op_lists():

@@ -14,6 +14,10 @@ from flax.training import train_state
 
 import jmp_policy as jmp
 
+# optax's Adam bias correction, schedules and MultiSteps mix int32 and float
+# values, so tests running them use JAX's standard promotion (conftest.py).
+optax_promotion = pytest.mark.standard_promotion
+
 
 def make_params():
     key_w, key_v = jax.random.split(jax.random.key(0))
@@ -63,7 +67,7 @@ def train(tx, grads_per_step, params=None):
     return params, state, step
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_poisoned_steps_change_nothing_bit_for_bit():
     clean = [clean_grads(i) for i in range(12)]
     poisoned = list(clean)
@@ -77,7 +81,7 @@ def test_poisoned_steps_change_nothing_bit_for_bit():
     assert int(state_a.skipped_steps) == 0
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_skipped_step_leaves_everything_untouched():
     tx = make_tx()
     params = make_params()
@@ -142,7 +146,7 @@ def test_closed_loop_matches_grad_scaler(init, period):
     assert any(skips) and not all(skips)
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_no_recompilation_after_first_step():
     grads = (
         [clean_grads(i) for i in range(4)] + [poison(clean_grads(9), jnp.inf)] + [clean_grads(5)]
@@ -171,7 +175,7 @@ def test_clipping_sees_unscaled_gradients():
     chex.assert_trees_all_equal(updates, jax.tree.map(lambda g: -g, grads))
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_schedule_does_not_advance_on_skipped_steps():
     schedule = optax.piecewise_constant_schedule(1.0, {2: 0.1})
     inner = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
@@ -203,7 +207,7 @@ def test_inject_hyperparams_outside():
     assert bool((updates["w"] == 0).all())
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_multisteps_outside_skips_the_whole_window():
     """MultiSteps(loss_scaling(...)): S is constant over a window; any overflow skips it.
 
@@ -235,7 +239,7 @@ def test_multisteps_outside_skips_the_whole_window():
     assert int(jmp.find_loss_scaling_state(state).skipped_steps) == 2
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_multisteps_inside_skips_only_the_bad_minibatch():
     """loss_scaling(MultiSteps(...)): a bad mini-step is dropped; k finite ones make a window."""
     tx = jmp.loss_scaling(
@@ -289,7 +293,7 @@ def test_train_state_apply_gradients():
     assert float(jmp.get_loss_scale(ts).loss_scale) == 2.0**7
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_nnx_optimizer():
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(
@@ -317,7 +321,7 @@ def test_nnx_optimizer():
     assert report.skipped_steps == 1 and report.applied_steps == 1 and report.loss_scale == 2.0**9
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_donation_and_init_copies():
     scale = jmp.DynamicLossScale(2.0**8)
     tx = make_tx(scale)
@@ -397,7 +401,7 @@ def test_axis_name_agrees_across_devices():
     assert skipped.tolist() == [False, True, False]
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_checkpoint_round_trip_and_resume(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     grads = [clean_grads(i) if i % 4 else poison(clean_grads(i), jnp.inf) for i in range(10)]
@@ -482,7 +486,7 @@ def _grads_of_size(step, size, poisoned=False):
     return grads
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 @pytest.mark.parametrize(
     "inner, size, whiles_and_conds",
     [
@@ -514,7 +518,7 @@ def test_skip_is_exact_on_both_paths(inner, size, whiles_and_conds):
     assert not jax.tree.all(jax.tree.map(jnp.array_equal, params_a, params))
 
 
-@pytest.mark.standard_promotion  # optax's adam/schedules/MultiSteps mix int32 and float
+@optax_promotion
 def test_updates_take_the_place_of_the_gradients():
     # Not a timing: XLA's buffer assignment is deterministic. The unscaled
     # gradients are never stored, and the updates are written over the scaled
@@ -558,7 +562,7 @@ def test_updates_take_the_place_of_the_gradients():
     assert extra < grad_bytes / 2, (extra, grad_bytes)
 
 
-@pytest.mark.standard_promotion  # optax's adam mixes int32 and float
+@optax_promotion
 @pytest.mark.parametrize("size", [SMALL, LARGE])
 @pytest.mark.parametrize(
     "scale",
@@ -603,7 +607,7 @@ def test_ensemble_under_vmap_one_member_overflows(size, scale):
     assert jax.tree.structure(updates) == jax.tree.structure(one)
 
 
-@pytest.mark.standard_promotion  # optax's adam mixes int32 and float
+@optax_promotion
 def test_states_stack_for_pipelines():
     tx = make_tx()
     states = [tx.init(make_params()) for _ in range(3)]

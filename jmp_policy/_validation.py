@@ -1,0 +1,111 @@
+"""Checks of user-given loss-scale configuration, with errors that name the argument.
+
+They run when a user constructs a loss scale (and, for leaves, whenever JAX
+rebuilds one), so only Python and NumPy values are checked by value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+
+
+def positive_number(value: Any, argument: str, *, allow_zero: bool = False) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (numbers.Real, np.ndarray, np.generic, jax.Array)
+    ):
+        raise TypeError(f"Expected a positive finite number for `{argument}`, got {value!r}.")
+    if isinstance(value, (np.ndarray, jax.Array)) and value.shape != ():
+        raise TypeError(f"Expected a scalar for `{argument}`, got an array of shape {value.shape}.")
+    if isinstance(value, Tracer):
+        raise TypeError(
+            f"Expected a concrete number for `{argument}` (it is static configuration), "
+            "got a traced value: build the loss scale outside `jit`."
+        )
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"Expected a Python number or a floating scalar for `{argument}`, got dtype {dtype}."
+        )
+    number = float(value)
+    low_ok = number >= 0 if allow_zero else number > 0
+    if not (low_ok and math.isfinite(number)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"Expected a finite number {bound} for `{argument}`, got {number}.")
+    return number
+
+
+def scale_leaf(value: Any, argument: str) -> Any:
+    """Checks and converts a loss-scale leaf to float32.
+
+    Leaves are also rebuilt by JAX itself (unflatten with tracers, abstract
+    values or placeholder objects, batched or stacked arrays), so only Python
+    and NumPy values, which only a user gives, are checked by value and shape;
+    JAX arrays are checked by dtype alone, which never waits on the device and
+    lets a state be batched (`vmap` of `init`) or stacked.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"Expected a positive float for `{argument}`, got {value!r}.")
+    if isinstance(value, numbers.Real) or isinstance(value, (np.ndarray, np.generic)):
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"Expected a floating array (float32) or a Python number for `{argument}`, "
+                f"got an array of dtype {dtype}. Python numbers are converted for you."
+            )
+        number = positive_number(value, argument)
+        # A JAX array from the start: a jitted step then sees the same argument
+        # types on its first and later calls, and compiles once.
+        return jnp.asarray(number, jnp.float32)
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "shape"):
+        return value  # A placeholder JAX uses while rebuilding the tree.
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"Expected a floating array (float32) or a Python number for `{argument}`, "
+            f"got an array of dtype {dtype}. Python numbers are converted for you."
+        )
+    if isinstance(value, jax.Array) and dtype != jnp.float32:
+        return value.astype(jnp.float32)
+    return value
+
+
+def int_leaf(value: Any, argument: str) -> Any:
+    if isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, bool):
+        return jnp.asarray(value, jnp.int32)
+    if isinstance(value, (bool, numbers.Real)):
+        raise TypeError(f"Expected an integer for `{argument}`, got {value!r}.")
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"Expected an int32 scalar for `{argument}`, got dtype {dtype}.")
+    return value
+
+
+def check_flag(grads_finite: Any, argument: str = "grads_finite") -> jax.Array:
+    if isinstance(grads_finite, bool):
+        return jnp.asarray(grads_finite)
+    shape = getattr(grads_finite, "shape", None)
+    dtype = getattr(grads_finite, "dtype", None)
+    if shape != () or dtype != jnp.bool_:
+        got = f"shape {shape}, dtype {dtype}" if dtype is not None else repr(grads_finite)
+        raise TypeError(
+            f"Expected a scalar boolean (e.g. from `all_finite`) for `{argument}`, got {got}."
+        )
+    return grads_finite
+
+
+def whole_number(value: Any, argument: str, *, low: int) -> int:
+    integral = isinstance(value, (numbers.Integral, np.integer)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    if isinstance(value, bool) or not integral:
+        raise TypeError(f"Expected an integer >= {low} for `{argument}`, got {value!r}.")
+    if int(value) < low:
+        raise ValueError(f"Expected an integer >= {low} for `{argument}`, got {value}.")
+    return int(value)

@@ -1,0 +1,176 @@
+"""Finite checks of gradient pytrees: one answer, per-leaf flags, agreed across devices.
+
+`x - x` is NaN exactly where `x` is inf or NaN; small leaves of one shape and
+dtype are reduced together. `unscaled_finite` is the check `loss_scaling`
+runs on the gradients of a scaled loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_policy.policy import is_floating_array
+
+T = TypeVar("T")
+
+# Leaves smaller than this are added together (all_finite) or stacked
+# (leaf_finite_vector) with the others of their shape before reducing.
+_GROUPED_LEAF_SIZE = 2**16
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+    """Returns a scalar bool: whether every floating leaf of `tree` is finite.
+
+    `x - x` is NaN exactly where `x` is inf or NaN (a plain sum could overflow
+    from finite values; `x * 0` is wrong under `jit`, where XLA folds
+    `(y * 4) * 0` into `y * 0`, which is 0 for a `y * 4` that overflows). Small
+    leaves of the same shape and dtype are added together element-wise first,
+    so there is one reduction per distinct shape rather than one per leaf
+    (kernel launches dominate for small leaves); large leaves are reduced one
+    by one, which needs no temporary buffer. Non-floating leaves are ignored;
+    an empty tree is finite.
+
+    Args:
+      tree: any pytree.
+      axis_name: a mapped axis name (or tuple of names) of `pmap`/`shard_map`;
+        when given, the result is True only if it is True on every device, so
+        all replicas take the same decision.
+
+    Returns:
+      A scalar bool array.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> bool(jmp.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+      False
+      >>> bool(jmp.all_finite({"step": jnp.int32(3)}))
+      True
+    """
+    leaves = jax.tree.leaves(tree)
+    groups = _groups(leaves)
+    if not groups:
+        return agree(jnp.asarray(True), axis_name)
+    flags = []
+    for positions in groups.values():
+        nans = [leaves[i] - leaves[i] for i in positions]
+        while len(nans) > 1:  # a balanced tree of adds: XLA fuses it into one loop
+            pairs = range(0, len(nans) - 1, 2)
+            nans = [nans[i] + nans[i + 1] for i in pairs] + nans[len(nans) - len(nans) % 2 :]
+        flags.append(_sum_is_finite(nans[0]))
+    return agree(jnp.stack(flags).all(), axis_name)
+
+
+def _groups(leaves: list) -> dict[Any, list[int]]:
+    """Positions of the floating leaves, grouped: small leaves by shape and dtype, large alone."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if is_floating_array(x):
+            key = (x.shape, x.dtype) if x.size < _GROUPED_LEAF_SIZE else i
+            groups.setdefault(key, []).append(i)
+    return groups
+
+
+def _sum_is_finite(nans: jax.Array) -> jax.Array:
+    # `nans` holds only zeros and NaNs: the sum is NaN exactly when one is.
+    return jnp.isfinite(jnp.sum(nans, dtype=jnp.float32))
+
+
+def agree(finite: jax.Array, axis_name: Any) -> jax.Array:
+    """`finite` (bool), True only where it is True on every device of `axis_name` (None: as is)."""
+    if axis_name is None:
+        return finite
+    return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+
+def leaf_finite_vector(tree: Any, axis_name: Any = None) -> jax.Array:
+    """Returns one bool per leaf of `tree`, packed in a vector: whether that leaf is finite.
+
+    Leaves are in `jax.tree.leaves` order; non-floating leaves are True. With
+    `axis_name` the flags are agreed across devices in one collective.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> jmp.leaf_finite_vector({"a": jnp.ones(2), "b": jnp.array([jnp.nan]), "n": 3})
+      Array([ True, False,  True], dtype=bool)
+    """
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros((0,), jnp.bool_)
+    # As in `all_finite`: small leaves of one shape and dtype are stacked and
+    # reduced together (one reduction per shape, not per leaf: a transformer's
+    # hundreds of leaves have a dozen shapes), large ones one by one. The flags
+    # come back in leaf order through one static permutation.
+    order: list[int] = []
+    parts = []
+    for positions in _groups(leaves).values():
+        stacked = jnp.stack([leaves[i] for i in positions]).reshape(len(positions), -1)
+        parts.append(jnp.isfinite(jnp.sum(stacked - stacked, axis=1, dtype=jnp.float32)))
+        order += positions
+    grouped = set(order)
+    others = [i for i in range(len(leaves)) if i not in grouped]
+    parts.append(jnp.ones(len(others), jnp.bool_))
+    finite = jnp.concatenate(parts)[np.argsort(order + others)]
+    return agree(finite, axis_name)
+
+
+def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
+    """Returns `tree` with a scalar bool at every leaf: whether that leaf is finite.
+
+    `leaf_finite_vector`, unpacked into the structure of `tree`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> jmp.leaf_finite_flags({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
+      {'a': Array(True, dtype=bool), 'b': Array(False, dtype=bool)}
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    flags = leaf_finite_vector(leaves, axis_name)
+    return jax.tree.unflatten(treedef, [flags[i] for i in range(len(leaves))])
+
+
+def unscaled_finite(
+    scaled_grads: Any, loss_scale: Any, old_flags: jax.Array, axis_name: Any, quick: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Whether `loss_scale.unscale(scaled_grads)` is all finite, and the new packed leaf flags.
+
+    The decision is exact either way, and agreed across devices with
+    `axis_name`. Which leaves held inf/NaN is worked out only when the answer
+    is no (the flags are `old_flags` otherwise), so applied steps do no
+    per-leaf work.
+
+    `quick`: first the sum of squares of the scaled gradients (dot products
+    that run at memory speed), finite only if every value is; with S >= 1 the
+    unscaled values are then finite too. Only when that fails (an overflowing
+    step, finite values whose squares overflow, or S < 1) does the exact
+    per-leaf test run. Everything that reads the gradients happens here, before
+    the step, so the step may write its updates over them. Otherwise:
+    `all_finite` of the unscaled values (fused, never stored) at once.
+    """
+    unscaled = lambda: loss_scale.unscale(scaled_grads)  # noqa: E731
+
+    def per_leaf():
+        ok = leaf_finite_vector(unscaled(), axis_name)
+        finite = ok.all()
+        return finite, jnp.where(finite, old_flags, ~ok)
+
+    if not quick:
+        finite = all_finite(unscaled(), axis_name=axis_name)
+        return finite, lax.cond(finite, lambda: old_flags, lambda: per_leaf()[1])
+    squares = [
+        jnp.vdot(x, x, preferred_element_type=jnp.float32)
+        for x in jax.tree.leaves(scaled_grads)
+        if is_floating_array(x)
+    ]
+    trusted = jnp.isfinite(sum(squares)) & (jnp.asarray(loss_scale.loss_scale) >= 1)
+    # Agreed first, so every device takes the same branch (the exact one has
+    # its own collective).
+    trusted = agree(trusted, axis_name)
+    return lax.cond(trusted, lambda: (jnp.asarray(True), old_flags), per_leaf)
