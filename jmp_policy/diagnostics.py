@@ -9,11 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-import numpy as np
-
 from jmp_policy.loss_scale import DynamicLossScale
-from jmp_policy.transform import find_loss_scaling_state
+from jmp_policy.transform import find_loss_scaling_state, host_value
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -57,13 +54,6 @@ class LossScalingReport:
         return text
 
 
-def _host(x: Any) -> np.ndarray:
-    # Replicated values may be spread over processes; every process holds a copy.
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(jax.device_get(x))
-
-
 def loss_scaling_report(opt_state: Any) -> LossScalingReport:
     """Reads the counters and diagnostics of the `loss_scaling` state in `opt_state`.
 
@@ -87,15 +77,15 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
     """
     state = find_loss_scaling_state(opt_state)
     scale = state.loss_scale
-    scale_value = float(_host(scale.loss_scale))
+    scale_value = float(host_value(scale.loss_scale))
     at_floor = isinstance(scale, DynamicLossScale) and scale_value <= scale.floor
     paths = state.nonfinite_leaves.paths()
     return LossScalingReport(
         loss_scale=scale_value,
-        applied_steps=int(_host(state.applied_steps)),
-        skipped_steps=int(_host(state.skipped_steps)),
-        nonfinite_run=int(_host(state.nonfinite_run)),
-        last_step_skipped=bool(_host(state.last_step_skipped)),
+        applied_steps=int(host_value(state.applied_steps)),
+        skipped_steps=int(host_value(state.skipped_steps)),
+        nonfinite_run=int(host_value(state.nonfinite_run)),
+        last_step_skipped=bool(host_value(state.last_step_skipped)),
         at_floor=bool(at_floor),
         nonfinite_paths=paths,
     )

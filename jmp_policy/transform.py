@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import flax.serialization
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -32,6 +33,14 @@ _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 # wide model) take the large-leaf step; many small leaves (a transformer's
 # biases and norms, a CNN) take the small-leaf step. See `_large_leaves`.
 _LARGE_LEAF = 2**16
+
+
+def host_value(x: Any) -> np.ndarray:
+    """`x` on the host; for an array spread over processes, this process's replica."""
+    # Replicated values may be spread over processes; every process holds a copy.
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(jax.device_get(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +64,7 @@ class LeafFlags:
     def paths(self) -> tuple[str, ...]:
         """The paths (`jax.tree_util.keystr`) of the leaves whose flag is True (host-side)."""
         numbered = jax.tree.unflatten(self.treedef, range(self.treedef.num_leaves))
-        on = jax.device_get(self.flags).reshape(-1, self.treedef.num_leaves).any(axis=0)
+        on = np.asarray(host_value(self.flags).reshape(-1, self.treedef.num_leaves).any(axis=0))
         return tuple(
             jax.tree_util.keystr(path)
             for path, i in jax.tree_util.tree_leaves_with_path(numbered)
