@@ -269,14 +269,14 @@ def main(argv=None):
         results[(shape.name, shape.leaves)] = measure(
             shape, rounds=rounds, repeats=repeats, compiles=compiles
         )
-    text = table(results)
+    tables = [table(results)]
     if args.sweep:
         points = sweep((1, 2) if args.quick else (3, 6, 12, 25, 50))
         plot(points, args.sweep)
-        text += "\n\n" + sweep_table(points)
+        tables.append(sweep_table(points))
     print(machine())
-    print(text)
-    return text, results
+    print("\n\n".join(tables))
+    return tables, results
 
 
 if __name__ == "__main__":

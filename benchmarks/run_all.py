@@ -50,14 +50,11 @@ def main(argv=None):
     )
     print("train step on every model shape, and compile time against leaves ...", flush=True)
     png = pathlib.Path(args.out).with_name("compile_vs_leaves.png")
-    text, _ = quietly(
+    (shapes_table, sweep_table), _ = quietly(
         load("bench_train_step").main, ["--sweep", str(png)] + (["--quick"] if quick else [])
     )
-    sections.append(text.split("\n\nCompile time against")[0])
-    sections.append(
-        "Compile time against" + text.split("\n\nCompile time against")[1]
-        + f"\n\n![compile time against leaves]({png.name})"
-    )  # fmt: skip
+    sections.append(shapes_table)
+    sections.append(sweep_table + f"\n\n![compile time against leaves]({png.name})")
     for dtype in ("bfloat16", "float16"):
         print(f"autocast {dtype} ...", flush=True)
         small = ["--dim", "16", "--batch", "2", "--rounds", "1", "--repeats", "1"] if quick else []
