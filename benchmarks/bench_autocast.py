@@ -11,34 +11,21 @@ as ratios to hand-cast, same run.
 """
 
 import argparse
+import pathlib
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
 from common import interleaved_medians, machine  # noqa: E402
+from flax_models import Classifier  # noqa: E402
 
 import jmp_policy as jmp  # noqa: E402
-
-
-class Model(nn.Module):
-    dim: int
-    dtype: object = None  # the hand-cast variant sets it; autocast leaves it None
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Conv(self.dim, (3,), dtype=self.dtype)(x)
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=8, dtype=self.dtype)(h, h)
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        x = x + nn.Dense(self.dim, dtype=self.dtype)(
-            nn.gelu(nn.Dense(4 * self.dim, dtype=self.dtype)(h))
-        )
-        return nn.Dense(16, dtype=self.dtype)(x.mean(axis=1)).astype(jnp.float32)
 
 
 def make_step(loss):
@@ -54,7 +41,8 @@ def run(dtype="bfloat16", dim=256, batch=16, length=64, rounds=5, repeats=5):
     half = jnp.dtype(dtype)
     x = jax.random.normal(jax.random.key(0), (batch, length, 32))
     y = jax.random.randint(jax.random.key(1), (batch,), 0, 16)
-    plain, hand = Model(dim), Model(dim, dtype=half)
+    plain = Classifier(dim, heads=8, classes=16, stem=True)
+    hand = Classifier(dim, heads=8, classes=16, stem=True, dtype=half)
     params = plain.init(jax.random.key(2), x)["params"]
 
     def plain_loss(params, x, y):
@@ -63,7 +51,7 @@ def run(dtype="bfloat16", dim=256, batch=16, length=64, rounds=5, repeats=5):
         ).mean()
 
     def hand_loss(params, x, y):
-        logits = hand.apply({"params": params}, x)
+        logits = hand.apply({"params": params}, x).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     policy = jmp.Policy(jnp.float32, half, jnp.float32)

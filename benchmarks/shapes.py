@@ -13,23 +13,27 @@ compute, float32 norms). They differ in what matters to a loss-scaled step:
 - `cnn`: convolutions with BatchNorm (batch statistics as `extra`);
 - `nnx`: an NNX transformer, split into a graph and a parameter state.
 
-Shared by the benchmarks and the tests (the test suite runs the benchmark in
-its fast mode), so there is one copy of each model.
+The models themselves are `tests/flax_models.py`, the one copy the tests use
+too; the test suite runs the benchmarks in their fast mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
 import jmp_policy as jmp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from flax_models import CNN, GPT, NNXGPT  # noqa: E402
 
 POLICY = "mixed_float16"
 
@@ -45,101 +49,6 @@ class Shape:
     @property
     def leaves(self) -> int:
         return len(jax.tree.leaves(self.params))
-
-
-class Block(nn.Module):
-    """A pre-norm GPT block: LayerNorm, causal self-attention, LayerNorm, MLP 4x."""
-
-    heads: int = 4
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.LayerNorm()(x)
-        x = x + nn.SelfAttention(num_heads=self.heads)(h, mask=nn.make_causal_mask(x[..., 0]))
-        h = nn.LayerNorm()(x)
-        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(h)))
-
-
-class ScannedBlock(nn.Module):
-    """`Block` in the (carry, output) form `nn.scan` wants."""
-
-    heads: int = 4
-
-    @nn.compact
-    def __call__(self, x, _):
-        return Block(self.heads)(x), None
-
-
-class GPT(nn.Module):
-    """Token and position embeddings, `layers` blocks, a final LayerNorm and a head."""
-
-    vocab: int = 64
-    dim: int = 32
-    length: int = 16
-    layers: int = 12
-    scan: bool = False
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.dim)(tokens)
-        x = x + self.param("position", nn.initializers.normal(0.02), (self.length, self.dim))
-        if self.scan:
-            stack = nn.scan(
-                nn.remat(ScannedBlock),
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                length=self.layers,
-            )
-            x, _ = stack(name="blocks")(x, None)
-        else:
-            for _ in range(self.layers):
-                x = Block()(x)
-        return nn.Dense(self.vocab, use_bias=False, name="head")(nn.LayerNorm()(x))
-
-
-class CNN(nn.Module):
-    """Conv -> BatchNorm -> relu blocks, then a Dense classifier."""
-
-    features: tuple[int, ...] = (16, 32, 32)
-    classes: int = 10
-
-    @nn.compact
-    def __call__(self, x, train: bool = True):
-        for f in self.features:
-            x = nn.Conv(f, (3, 3))(x)
-            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
-            x = nn.relu(x)
-        return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
-
-
-class NNXBlock(nnx.Module):
-    def __init__(self, dim, heads, *, rngs):
-        self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(
-            num_heads=heads, in_features=dim, decode=False, rngs=rngs
-        )
-        self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
-        self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
-        self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
-
-    def __call__(self, x):
-        h = self.norm1(x)
-        x = x + self.attn(h, h)
-        return x + self.down(nnx.gelu(self.up(self.norm2(x))))
-
-
-class NNXGPT(nnx.Module):
-    def __init__(self, vocab, dim, layers, *, rngs):
-        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
-        self.blocks = nnx.List([NNXBlock(dim, 4, rngs=rngs) for _ in range(layers)])
-        self.norm = nnx.LayerNorm(dim, rngs=rngs)
-        self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
-
-    def __call__(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
 
 
 def _cross_entropy(logits, labels):
@@ -187,7 +96,7 @@ def gpt(layers=12, dim=32, length=16, batch=8, vocab=64, scan=False) -> Shape:
 
 
 def cnn(batch=16, size=16) -> Shape:
-    model = jmp.linen.mixed_precision(CNN(), jmp.get_policy(POLICY))
+    model = jmp.linen.mixed_precision(CNN((16, 32, 32), 10), jmp.get_policy(POLICY))
     x = jax.random.normal(jax.random.key(1), (batch, size, size, 3))
     y = jax.random.randint(jax.random.key(2), (batch,), 0, 10)
     variables = model.init(jax.random.key(0), x)

@@ -21,35 +21,37 @@ What is here, by topic:
 - Policies: `Policy`, `get_policy` ("mixed_float16", "params=float32,compute=bfloat16"),
   `cast_to_full`, `cast_to_half`, `half_dtype`.
 - Loss scales (pure pytree state): `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`;
-  `all_finite`, `leaf_finite_flags`, `leaf_finite_vector`, `select_tree`.
+  `all_finite`, `select_tree`.
 - optax: `loss_scaling` (unscale, check, apply or skip, adjust: one transform),
   `value_and_scaled_grad` (the loss for logging, the gradients for `update`), `get_loss_scale`,
   `find_loss_scaling_state`, `LossScalingState`, `LeafFlags`.
 - Flax: `jmp_policy.linen.mixed_precision`, `jmp_policy.nnx.mixed_precision` (a policy on an
-  unmodified model, with float32 norms, softmax and batch statistics).
+  unmodified model, with float32 norms, softmax and batch statistics). Flax is imported only when
+  one of these two is first used, so jmp and optax users do not load it.
 - autocast: `autocast(fn, policy)` (matmuls and convs in half precision; exp, log, sums,
   decompositions and FFTs in float32), `full_precision(fn)`, `AUTOCAST_ALLOW`, `AUTOCAST_DENY`,
-  `AUTOCAST_NO_HALF_KERNEL`, `precision_report`, `precision_census`.
-- Diagnostics: `loss_scaling_report`, `nonfinite_paths`, `check_loss_scaling`,
-  `NonFiniteLossError`.
+  `AUTOCAST_NO_HALF_KERNEL`, `precision_report` (operations by dtype, FLOPs, casts).
+- Diagnostics: `loss_scaling_report` (the scale, skips, which gradients held inf/NaN),
+  `check_loss_scaling`, `NonFiniteLossError`.
 
 The guides and the API reference are in the repository's docs/ folder (`mkdocs serve`).
 """
 
-from jmp_policy import linen, nnx
+from typing import TYPE_CHECKING
+
+from jmp_policy import _flax_serialization
 from jmp_policy.autocast import ALLOW as AUTOCAST_ALLOW
 from jmp_policy.autocast import DENY as AUTOCAST_DENY
 from jmp_policy.autocast import NO_HALF_KERNEL as AUTOCAST_NO_HALF_KERNEL
 from jmp_policy.autocast import autocast, full_precision
-from jmp_policy.census import Census, PrecisionReport, precision_census, precision_report
+from jmp_policy.census import PrecisionReport, precision_report
 from jmp_policy.diagnostics import (
     LossScalingReport,
     NonFiniteLossError,
     check_loss_scaling,
     loss_scaling_report,
-    nonfinite_paths,
 )
-from jmp_policy.finite import all_finite, leaf_finite_flags, leaf_finite_vector
+from jmp_policy.finite import all_finite
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -67,41 +69,57 @@ from jmp_policy.transform import (
     loss_scaling,
 )
 
+if TYPE_CHECKING:
+    from jmp_policy import linen, nnx
+
+_flax_serialization.register_when_flax_loads()
+
 __version__ = "0.1.0"
+
+_LAZY_SUBMODULES = ("linen", "nnx")
+
+
+def __getattr__(name: str):
+    # `jmp_policy.linen` and `jmp_policy.nnx` import Flax; load them on first use.
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBMODULES})
+
 
 __all__ = (
     "AUTOCAST_ALLOW",
     "AUTOCAST_DENY",
     "AUTOCAST_NO_HALF_KERNEL",
-    "Census",
     "DynamicLossScale",
     "LeafFlags",
     "LossScale",
     "LossScalingReport",
     "LossScalingState",
-    "NonFiniteLossError",
-    "PrecisionReport",
     "NoOpLossScale",
+    "NonFiniteLossError",
     "Policy",
+    "PrecisionReport",
     "StaticLossScale",
     "all_finite",
     "autocast",
     "cast_to_full",
-    "check_loss_scaling",
     "cast_to_half",
+    "check_loss_scaling",
     "find_loss_scaling_state",
     "full_precision",
     "get_loss_scale",
     "get_policy",
     "half_dtype",
-    "leaf_finite_flags",
-    "leaf_finite_vector",
     "linen",
-    "nnx",
     "loss_scaling",
     "loss_scaling_report",
-    "nonfinite_paths",
-    "precision_census",
+    "nnx",
     "precision_report",
     "select_tree",
     "value_and_scaled_grad",

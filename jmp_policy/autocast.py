@@ -466,7 +466,7 @@ def autocast(
       >>> g = jmp.autocast(f, "mixed_bfloat16")
       >>> g(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
       dtype('float32')
-      >>> jmp.precision_census(g, jnp.ones((3, 2)), jnp.ones((4, 3))).counts["dot_general"]
+      >>> jmp.precision_report(g, jnp.ones((3, 2)), jnp.ones((4, 3))).counts["dot_general"]
       {'bfloat16': 1}
     """
     policy = check_policy(policy)
@@ -500,7 +500,7 @@ def full_precision(fun: Callable) -> Callable:
       >>> def f(w, x):
       ...     return jmp.full_precision(lambda a: a @ w)(x) + x @ w
       >>> w = x = jnp.ones((2, 2))
-      >>> jmp.precision_census(jmp.autocast(f), w, x).counts["dot_general"]
+      >>> jmp.precision_report(jmp.autocast(f), w, x).counts["dot_general"]
       {'float16': 1, 'float32': 1}
     """
     if not callable(fun):

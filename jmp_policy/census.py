@@ -1,25 +1,30 @@
-"""A census of the traced program: which operations run in which dtype.
+"""Where a traced program does its work: which operations run in which dtype.
 
-`precision_census(fun, *args)` traces `fun` (nothing runs) and counts, per
+`precision_report(fun, *args)` traces `fun` (nothing runs) and counts, per
 primitive, the floating dtype each equation computes in, walking into nested
 programs (`jit`, `scan`, `cond`, `custom_jvp`/`custom_vjp`, remat, ...).
+
+One counting rule: an equation counts once per execution. A `scan` body counts
+`length` times; every other nested program (a `while` body, whose trip count is
+unknown when tracing, the branches of a `cond`, a `jit`) counts once.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import jaxprs_in_params
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
 
 MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 
 
-def iter_equations(jaxpr: Any) -> Iterator[Any]:
+def iter_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[JaxprEqn]:
     """Yields every equation of a (closed) jaxpr, nested programs included."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
@@ -28,7 +33,12 @@ def iter_equations(jaxpr: Any) -> Iterator[Any]:
             yield from iter_equations(sub)
 
 
-def compute_dtype(eqn: Any) -> Any:
+def _aval(var: Any) -> Any:
+    """The abstract value (shape, dtype) of a jaxpr variable or literal; None if it has none."""
+    return getattr(var, "aval", None)
+
+
+def compute_dtype(eqn: JaxprEqn) -> np.dtype | None:
     """The floating dtype an equation computes in: its widest floating operand.
 
     Falls back to its outputs for equations without floating operands; None
@@ -36,67 +46,13 @@ def compute_dtype(eqn: Any) -> Any:
     """
     for group in (eqn.invars, eqn.outvars):
         dtypes = [
-            v.aval.dtype
-            for v in group
-            if hasattr(v, "aval")
-            and hasattr(v.aval, "dtype")
-            and jnp.issubdtype(v.aval.dtype, jnp.floating)
+            d
+            for d in (getattr(_aval(v), "dtype", None) for v in group)
+            if d is not None and jnp.issubdtype(d, jnp.floating)
         ]
         if dtypes:
             return max(dtypes, key=lambda d: jnp.finfo(d).bits)
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Census:
-    """Counts of equations by primitive and compute dtype.
-
-    Attributes:
-      counts: `{primitive name: {dtype name: count}}` over floating equations.
-    """
-
-    counts: dict[str, dict[str, int]]
-
-    def total(self, dtype: str, primitives=None) -> int:
-        """How many equations (of `primitives`, default all) compute in `dtype`."""
-        return sum(
-            by_dtype.get(dtype, 0)
-            for name, by_dtype in self.counts.items()
-            if primitives is None or name in primitives
-        )
-
-    def __str__(self) -> str:
-        half = sum(self.total(d) for d in ("float16", "bfloat16"))
-        lines = [f"ops in half precision: {half}, in float32: {self.total('float32')}"]
-        for name in sorted(self.counts):
-            by_dtype = ", ".join(f"{d} {n}" for d, n in sorted(self.counts[name].items()))
-            lines.append(f"  {name}: {by_dtype}")
-        return "\n".join(lines)
-
-
-def census_of_jaxpr(jaxpr: Any) -> Census:
-    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for eqn in iter_equations(jaxpr):
-        if list(jaxprs_in_params(eqn.params)):
-            continue  # a container (pjit, scan, ...): its body is counted instead
-        dtype = compute_dtype(eqn)
-        if dtype is not None:
-            counts[eqn.primitive.name][jnp.dtype(dtype).name] += 1
-    return Census({name: dict(sorted(c.items())) for name, c in sorted(counts.items())})
-
-
-def precision_census(fun: Any, *args: Any, **kwargs: Any) -> Census:
-    """Traces `fun(*args, **kwargs)` and counts its operations by compute dtype.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> import jmp_policy as jmp
-      >>> x = jnp.ones((2, 2), jnp.float16)
-      >>> census = jmp.precision_census(lambda x: jnp.exp(x @ x.T).sum(), x)
-      >>> census.counts["dot_general"], census.total("float16")
-      ({'float16': 1}, 4)
-    """
-    return census_of_jaxpr(jax.make_jaxpr(fun)(*args, **kwargs))
 
 
 def _prod(values) -> int:
@@ -106,14 +62,14 @@ def _prod(values) -> int:
     return out
 
 
-def _matmul_shape_info(eqn: Any) -> tuple[int, list[int], list[int]]:
+def _matmul_shape_info(eqn: JaxprEqn) -> tuple[int, list[int], list[int]]:
     """FLOPs, and the GEMM sizes that tensor cores want as multiples of 8.
 
     For a dot: K (the contracting size) and M, N (the output sizes, batch
     dimensions aside). For a conv: its input and output channels.
     """
-    out_shape = eqn.outvars[0].aval.shape
-    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    out_shape = _aval(eqn.outvars[0]).shape
+    lhs, rhs = _aval(eqn.invars[0]).shape, _aval(eqn.invars[1]).shape
     if eqn.primitive.name == "conv_general_dilated":
         rhs_spec = eqn.params["dimension_numbers"].rhs_spec
         in_features, out_features = rhs[rhs_spec[1]], rhs[rhs_spec[0]]
@@ -126,7 +82,9 @@ def _matmul_shape_info(eqn: Any) -> tuple[int, list[int], list[int]]:
     return 2 * _prod(out_shape) * k, [k], [m, n]
 
 
-def _weighted_equations(jaxpr: Any, times: int = 1) -> Iterator[tuple[Any, int]]:
+def _weighted_equations(
+    jaxpr: Jaxpr | ClosedJaxpr, times: int = 1
+) -> Iterator[tuple[JaxprEqn, int]]:
     """Like `iter_equations`, with how often each runs (scan bodies: `length` times)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
@@ -136,12 +94,20 @@ def _weighted_equations(jaxpr: Any, times: int = 1) -> Iterator[tuple[Any, int]]
             yield from _weighted_equations(sub, inner)
 
 
+HALF = ("float16", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
     """Where a program's work runs, by primitive and dtype.
 
+    Every figure counts an equation once per execution (a `scan` body `length`
+    times; see the module docstring).
+
     Attributes:
-      rows: `(primitive, dtype, count, flops)` tuples, most FLOPs first.
+      rows: `(primitive, dtype, count, flops)` tuples, most FLOPs first. For a
+        matmul or conv the FLOPs are its multiply-adds times 2; for any other
+        operation, the size of its largest operand or result.
       half_matmul_flop_share: the share of matmul/conv FLOPs in float16/bfloat16.
       misaligned: `(primitive, dtype, (K,), (M, N), where)` for every dot (or
         `(in channels,), (out channels,)` for every conv) with a size that is
@@ -157,9 +123,24 @@ class PrecisionReport:
     casts: int
     casts_inserted: int | None
 
+    @property
+    def counts(self) -> dict[str, dict[str, int]]:
+        """`{primitive: {dtype: count}}`, from `rows`."""
+        counts: dict[str, dict[str, int]] = collections.defaultdict(dict)
+        for primitive, dtype, count, _ in sorted(self.rows):
+            counts[primitive][dtype] = count
+        return dict(sorted(counts.items()))
+
+    def total(self, dtype: str, primitives: Iterable[str] | None = None) -> int:
+        """How many operations (of `primitives`, default all) compute in `dtype`."""
+        wanted = None if primitives is None else frozenset(primitives)
+        return sum(c for p, d, c, _ in self.rows if d == dtype and (wanted is None or p in wanted))
+
     def __str__(self) -> str:
+        half = sum(self.total(d) for d in HALF)
         lines = [
             f"matmul/conv FLOPs in half precision: {100 * self.half_matmul_flop_share:.1f}%",
+            f"ops in half precision: {half}, in float32: {self.total('float32')}",
             f"casts: {self.casts}"
             + ("" if self.casts_inserted is None else f" ({self.casts_inserted} inserted)"),
             "",
@@ -175,13 +156,62 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
-def _convert_count(jaxpr: Any) -> int:
+def _convert_count(jaxpr: Jaxpr | ClosedJaxpr) -> int:
     return sum(
         t for e, t in _weighted_equations(jaxpr) if e.primitive.name == "convert_element_type"
     )
 
 
-def precision_report(fun: Any, *args: Any, original: Any = None, **kwargs: Any) -> PrecisionReport:
+def report_of_jaxpr(
+    jaxpr: Jaxpr | ClosedJaxpr, original: Jaxpr | ClosedJaxpr | None = None
+) -> PrecisionReport:
+    """`precision_report` of an already traced (closed) jaxpr.
+
+    `original`, a jaxpr too, is the program before casts, to count the casts that
+    were inserted.
+    """
+    totals: dict = collections.defaultdict(lambda: [0, 0])
+    misaligned, half_flops, all_flops = [], 0, 0
+    for eqn, times in _weighted_equations(jaxpr):
+        if list(jaxprs_in_params(eqn.params)):
+            continue  # a container (pjit, scan, ...): its body is counted instead
+        dtype = compute_dtype(eqn)
+        if dtype is None:
+            continue
+        name, dtype_name = eqn.primitive.name, jnp.dtype(dtype).name
+        if name in MATMULS:
+            flops, contract, outputs = _matmul_shape_info(eqn)
+            all_flops += flops * times
+            if dtype_name in HALF:
+                half_flops += flops * times
+            if any(s % 8 for s in (*contract, *outputs)):
+                where = str(eqn.source_info.name_stack)
+                misaligned.append((name, dtype_name, tuple(contract), tuple(outputs), where))
+        else:
+            flops = max(
+                (
+                    _prod(_aval(v).shape)
+                    for v in (*eqn.invars, *eqn.outvars)
+                    if hasattr(_aval(v), "shape")
+                ),
+                default=0,
+            )
+        totals[(name, dtype_name)][0] += times
+        totals[(name, dtype_name)][1] += flops * times
+    rows = sorted(((p, d, c, f) for (p, d), (c, f) in totals.items()), key=lambda r: (-r[3], r[0]))
+    casts = _convert_count(jaxpr)
+    return PrecisionReport(
+        rows=tuple(rows),
+        half_matmul_flop_share=half_flops / all_flops if all_flops else 0.0,
+        misaligned=tuple(misaligned),
+        casts=casts,
+        casts_inserted=None if original is None else casts - _convert_count(original),
+    )
+
+
+def precision_report(
+    fun: Callable[..., Any], *args: Any, original: Callable[..., Any] | None = None, **kwargs: Any
+) -> PrecisionReport:
     """Reports where `fun(*args, **kwargs)` does its work, by primitive and dtype.
 
     Args:
@@ -192,7 +222,8 @@ def precision_report(fun: Any, *args: Any, original: Any = None, **kwargs: Any) 
       **kwargs: example keyword arguments.
 
     Returns:
-      A `PrecisionReport`; `print(report)` shows it as a table.
+      A `PrecisionReport`; `print(report)` shows it as a table, `report.counts`
+      as `{primitive: {dtype: count}}`.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -202,45 +233,9 @@ def precision_report(fun: Any, *args: Any, original: Any = None, **kwargs: Any) 
       >>> report = jmp.precision_report(jmp.autocast(f), w, x, original=f)
       >>> report.half_matmul_flop_share, report.casts_inserted, len(report.misaligned)
       (1.0, 3, 1)
+      >>> report.counts["dot_general"], report.total("float16")
+      ({'float16': 1}, 3)
     """
     jaxpr = jax.make_jaxpr(fun)(*args, **kwargs)
-    totals: dict = collections.defaultdict(lambda: [0, 0])
-    misaligned, half_flops, all_flops = [], 0, 0
-    for eqn, times in _weighted_equations(jaxpr):
-        if list(jaxprs_in_params(eqn.params)):
-            continue
-        dtype = compute_dtype(eqn)
-        if dtype is None:
-            continue
-        name, dtype_name = eqn.primitive.name, jnp.dtype(dtype).name
-        if name in MATMULS:
-            flops, contract, outputs = _matmul_shape_info(eqn)
-            all_flops += flops * times
-            if dtype_name in ("float16", "bfloat16"):
-                half_flops += flops * times
-            if any(s % 8 for s in (*contract, *outputs)):
-                where = str(eqn.source_info.name_stack)
-                misaligned.append((name, dtype_name, tuple(contract), tuple(outputs), where))
-        else:
-            flops = max(
-                (
-                    _prod(v.aval.shape)
-                    for v in (*eqn.invars, *eqn.outvars)
-                    if hasattr(v.aval, "shape")
-                ),
-                default=0,
-            )
-        totals[(name, dtype_name)][0] += times
-        totals[(name, dtype_name)][1] += flops * times
-    rows = sorted(((p, d, c, f) for (p, d), (c, f) in totals.items()), key=lambda r: (-r[3], r[0]))
-    casts = _convert_count(jaxpr)
-    inserted = None
-    if original is not None:
-        inserted = casts - _convert_count(jax.make_jaxpr(original)(*args, **kwargs))
-    return PrecisionReport(
-        rows=tuple(rows),
-        half_matmul_flop_share=half_flops / all_flops if all_flops else 0.0,
-        misaligned=tuple(misaligned),
-        casts=casts,
-        casts_inserted=inserted,
-    )
+    before = None if original is None else jax.make_jaxpr(original)(*args, **kwargs)
+    return report_of_jaxpr(jaxpr, before)

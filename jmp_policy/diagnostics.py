@@ -91,14 +91,6 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
     )
 
 
-def nonfinite_paths(opt_state: Any) -> tuple[str, ...]:
-    """The parameter paths whose gradients held inf/NaN in the latest skipped step.
-
-    Answers "which layer overflows?". Empty until a step has been skipped.
-    """
-    return loss_scaling_report(opt_state).nonfinite_paths
-
-
 def check_loss_scaling(opt_state: Any, max_nonfinite_run: int = 20) -> LossScalingReport:
     """Raises when training has skipped too many steps in a row; else reports.
 

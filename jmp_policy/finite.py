@@ -7,14 +7,19 @@ runs on the gradients of a scaled loss.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jmp_policy.policy import is_floating_array
+
+if TYPE_CHECKING:
+    from jmp_policy.loss_scale import LossScale
 
 T = TypeVar("T")
 
@@ -23,7 +28,7 @@ T = TypeVar("T")
 _GROUPED_LEAF_SIZE = 2**16
 
 
-def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+def all_finite(tree: chex.ArrayTree, axis_name: Hashable | None = None) -> jax.Array:
     """Returns a scalar bool: whether every floating leaf of `tree` is finite.
 
     `x - x` is NaN exactly where `x` is inf or NaN (a plain sum could overflow
@@ -81,14 +86,14 @@ def _sum_is_finite(nans: jax.Array) -> jax.Array:
     return jnp.isfinite(jnp.sum(nans, dtype=jnp.float32))
 
 
-def agree(finite: jax.Array, axis_name: Any) -> jax.Array:
+def agree(finite: jax.Array, axis_name: Hashable | None) -> jax.Array:
     """`finite` (bool), True only where it is True on every device of `axis_name` (None: as is)."""
     if axis_name is None:
         return finite
     return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
 
-def leaf_finite_vector(tree: Any, axis_name: Any = None) -> jax.Array:
+def leaf_finite_vector(tree: chex.ArrayTree, axis_name: Hashable | None = None) -> jax.Array:
     """Returns one bool per leaf of `tree`, packed in a vector: whether that leaf is finite.
 
     Leaves are in `jax.tree.leaves` order; non-floating leaves are True. With
@@ -96,8 +101,8 @@ def leaf_finite_vector(tree: Any, axis_name: Any = None) -> jax.Array:
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> import jmp_policy as jmp
-      >>> jmp.leaf_finite_vector({"a": jnp.ones(2), "b": jnp.array([jnp.nan]), "n": 3})
+      >>> from jmp_policy.finite import leaf_finite_vector
+      >>> leaf_finite_vector({"a": jnp.ones(2), "b": jnp.array([jnp.nan]), "n": 3})
       Array([ True, False,  True], dtype=bool)
     """
     leaves = jax.tree.leaves(tree)
@@ -120,15 +125,15 @@ def leaf_finite_vector(tree: Any, axis_name: Any = None) -> jax.Array:
     return agree(finite, axis_name)
 
 
-def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
+def leaf_finite_flags(tree: T, axis_name: Hashable | None = None) -> T:
     """Returns `tree` with a scalar bool at every leaf: whether that leaf is finite.
 
     `leaf_finite_vector`, unpacked into the structure of `tree`.
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> import jmp_policy as jmp
-      >>> jmp.leaf_finite_flags({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
+      >>> from jmp_policy.finite import leaf_finite_flags
+      >>> leaf_finite_flags({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
       {'a': Array(True, dtype=bool), 'b': Array(False, dtype=bool)}
     """
     leaves, treedef = jax.tree.flatten(tree)
@@ -137,7 +142,11 @@ def leaf_finite_flags(tree: T, axis_name: Any = None) -> T:
 
 
 def unscaled_finite(
-    scaled_grads: Any, loss_scale: Any, old_flags: jax.Array, axis_name: Any, quick: bool
+    scaled_grads: chex.ArrayTree,
+    loss_scale: LossScale,
+    old_flags: jax.Array,
+    axis_name: Hashable | None,
+    quick: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Whether `loss_scale.unscale(scaled_grads)` is all finite, and the new packed leaf flags.
 

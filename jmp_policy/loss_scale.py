@@ -17,11 +17,11 @@ import functools
 import math
 from typing import Any, TypeVar, cast
 
-import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from jmp_policy._validation import (
     check_flag,
@@ -45,11 +45,11 @@ def _at_least_float32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
 
 
-def _scale_floating(tree: T, scale: Any) -> T:
+def _scale_floating(tree: T, scale: ArrayLike) -> T:
     return jax.tree.map(lambda x: _at_least_float32(x) * scale if is_floating_array(x) else x, tree)
 
 
-def _unscale_floating(tree: T, scale: Any) -> T:
+def _unscale_floating(tree: T, scale: ArrayLike) -> T:
     # Division rather than multiplication by 1/S: exactly rounded, and 1/S can
     # be a denormal that CPUs flush to zero.
     return jax.tree.map(lambda x: _at_least_float32(x) / scale if is_floating_array(x) else x, tree)
@@ -78,7 +78,7 @@ class NoOpLossScale:
         """Returns `tree` unchanged."""
         return tree
 
-    def adjust(self, grads_finite: Any) -> NoOpLossScale:
+    def adjust(self, grads_finite: ArrayLike) -> NoOpLossScale:
         """Returns `self` (the flag is checked, then ignored)."""
         check_flag(grads_finite)
         return self
@@ -116,7 +116,7 @@ class StaticLossScale:
         """Divides the floating leaves of `tree` by S, in at least float32."""
         return _unscale_floating(tree, np.float32(self.loss_scale))
 
-    def adjust(self, grads_finite: Any) -> StaticLossScale:
+    def adjust(self, grads_finite: ArrayLike) -> StaticLossScale:
         """Returns `self` (the flag is checked, then ignored)."""
         check_flag(grads_finite)
         return self
@@ -176,8 +176,8 @@ class DynamicLossScale:
       8.0
     """
 
-    loss_scale: Any
-    counter: Any = 0
+    loss_scale: ArrayLike
+    counter: ArrayLike = 0
     period: int = dataclasses.field(default=2000, metadata=dict(static=True))
     factor: float = dataclasses.field(default=2.0, metadata=dict(static=True))
     min_loss_scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
@@ -186,8 +186,8 @@ class DynamicLossScale:
     max_loss_scale: float | None = dataclasses.field(default=None, metadata=dict(static=True))
     hysteresis: int = dataclasses.field(default=1, metadata=dict(static=True))
     warmup: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    nonfinite_run: Any = None
-    warming_up: Any = None
+    nonfinite_run: ArrayLike | None = None
+    warming_up: ArrayLike | None = None
 
     def __post_init__(self):
         setattr_ = functools.partial(object.__setattr__, self)
@@ -242,7 +242,7 @@ class DynamicLossScale:
         """Divides the floating leaves of `tree` by S, in at least float32."""
         return _unscale_floating(tree, self.loss_scale)
 
-    def adjust(self, grads_finite: Any) -> DynamicLossScale:
+    def adjust(self, grads_finite: ArrayLike) -> DynamicLossScale:
         """Returns the next state given whether this step's gradients were finite.
 
         Args:
@@ -256,7 +256,7 @@ class DynamicLossScale:
         counter = jnp.asarray(self.counter, jnp.int32) + 1
         grow = counter >= self.period
         if self.warmup:
-            grow = grow | self.warming_up
+            grow = grow | cast(jax.Array, self.warming_up)
         grown = scale * self.factor
         # __post_init__ made the optional configuration numbers (inf: no cap).
         cap, backoff_factor = cast(float, self.max_loss_scale), cast(float, self.backoff_factor)
@@ -265,7 +265,9 @@ class DynamicLossScale:
         backoff = ~finite
         run = None
         if self.hysteresis > 1:
-            run = jnp.where(finite, 0, jnp.minimum(self.nonfinite_run + 1, self.hysteresis))
+            run = jnp.where(
+                finite, 0, jnp.minimum(cast(jax.Array, self.nonfinite_run) + 1, self.hysteresis)
+            )
             backoff = backoff & (run >= self.hysteresis)
         floor = self.floor
         shrunk = jnp.maximum(scale * backoff_factor, floor)
@@ -276,49 +278,34 @@ class DynamicLossScale:
         if self.hysteresis > 1:
             changes["nonfinite_run"] = run
         if self.warmup:
-            changes["warming_up"] = self.warming_up & finite
-        return _rebuild(self, **changes)
+            changes["warming_up"] = cast(jax.Array, self.warming_up) & finite
+        return rebuild(self, **changes)
 
 
-def _rebuild(state: Any, **changes) -> Any:
-    # `adjust` makes values that are valid by construction: skip `__post_init__`
-    # so an eager step never waits on the device to validate them.
+def rebuild(state: Any, **changes) -> Any:
+    """A copy of the loss scale `state` with `changes`, not validated again.
+
+    For values valid by construction (`adjust`'s, a restored checkpoint's): skipping
+    `__post_init__` means an eager step never waits on the device to validate them.
+    """
     new = object.__new__(type(state))
     for field in dataclasses.fields(state):
         object.__setattr__(new, field.name, changes.get(field.name, getattr(state, field.name)))
     return new
 
 
-def _leaf_fields(state) -> list[str]:
+def leaf_fields(state) -> list[str]:
+    """The names of the per-step (array) fields of the loss scale `state`."""
     return [f.name for f in dataclasses.fields(state) if not f.metadata.get("static")]
-
-
-def _to_state_dict(state) -> dict[str, Any]:
-    return {
-        name: flax.serialization.to_state_dict(getattr(state, name))
-        for name in _leaf_fields(state)
-        if getattr(state, name) is not None
-    }
-
-
-def _from_state_dict(target: T, state_dict: dict[str, Any]) -> T:
-    # Configuration comes from `target`; only per-step values are restored.
-    restored = {
-        name: flax.serialization.from_state_dict(getattr(target, name), state_dict[name], name)
-        for name in _leaf_fields(target)
-        if getattr(target, name) is not None
-    }
-    return _rebuild(target, **restored)
 
 
 for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
     jax.tree_util.register_dataclass(_cls)
-    flax.serialization.register_serialization_state(_cls, _to_state_dict, _from_state_dict)
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 
-def select_tree(pred: Any, a: T, b: T) -> T:
+def select_tree(pred: ArrayLike, a: T, b: T) -> T:
     """Returns `a` where the scalar bool `pred` is True, else `b`, leaf by leaf.
 
     Examples:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 T = TypeVar("T")
 
@@ -138,15 +139,15 @@ class Policy:
         """Casts the floating leaves of `tree` to `output_dtype`."""
         return _cast_floating(tree, self.output_dtype)
 
-    def with_param_dtype(self, param_dtype: Any) -> Policy:
+    def with_param_dtype(self, param_dtype: DTypeLike) -> Policy:
         """Returns a copy of this policy with another `param_dtype`."""
         return dataclasses.replace(self, param_dtype=param_dtype)
 
-    def with_compute_dtype(self, compute_dtype: Any) -> Policy:
+    def with_compute_dtype(self, compute_dtype: DTypeLike) -> Policy:
         """Returns a copy of this policy with another `compute_dtype`."""
         return dataclasses.replace(self, compute_dtype=compute_dtype)
 
-    def with_output_dtype(self, output_dtype: Any) -> Policy:
+    def with_output_dtype(self, output_dtype: DTypeLike) -> Policy:
         """Returns a copy of this policy with another `output_dtype`."""
         return dataclasses.replace(self, output_dtype=output_dtype)
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
-import flax.serialization
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,9 +56,9 @@ class LeafFlags:
     """
 
     flags: jax.Array
-    treedef: Any = dataclasses.field(metadata=dict(static=True))
+    treedef: Any = dataclasses.field(metadata=dict(static=True))  # a jax.tree_util.PyTreeDef
 
-    def tree(self) -> Any:
+    def tree(self) -> chex.ArrayTree:
         """The flags as a pytree of bool scalars with `treedef`'s structure."""
         return jax.tree.unflatten(self.treedef, list(jnp.moveaxis(self.flags, -1, 0)))
 
@@ -73,11 +74,6 @@ class LeafFlags:
 
 
 jax.tree_util.register_dataclass(LeafFlags)
-flax.serialization.register_serialization_state(
-    LeafFlags,
-    lambda leaf_flags: {"flags": leaf_flags.flags},
-    lambda target, state: dataclasses.replace(target, flags=state["flags"]),
-)
 
 
 class LossScalingState(NamedTuple):
@@ -99,7 +95,7 @@ class LossScalingState(NamedTuple):
         unscaling). All False until a step is skipped. One packed array, and
         computed only on skipped steps, so its cost does not grow with the
         number of leaves on the steps that are applied. Read it with
-        `nonfinite_leaves.paths()`, `.tree()`, or `jmp_policy.nonfinite_paths`.
+        `nonfinite_leaves.paths()`, `.tree()`, or `jmp_policy.loss_scaling_report`.
     """
 
     loss_scale: LossScale
@@ -147,7 +143,7 @@ def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: LossScale,
     *,
-    axis_name: Any = None,
+    axis_name: Hashable | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` so it consumes gradients of a loss scaled by `loss_scale`.
 

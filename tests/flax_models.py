@@ -1,46 +1,125 @@
-"""Unmodified Flax models used by the Flax and autocast tests (no mixed-precision code here)."""
+"""Unmodified Flax models, one copy for the tests and the benchmarks (no mixed-precision code here).
+
+The benchmarks (`benchmarks/shapes.py`, `benchmarks/bench_autocast.py`) import this file too; the
+examples stay self-contained and define their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 
-class LinenCNN(nn.Module):
-    """Conv -> BatchNorm -> relu, twice, then a Dense classifier."""
+def block_layers(x: jax.Array, heads: int, causal: bool = False, dtype: Any = None) -> jax.Array:
+    """A pre-norm transformer block (LayerNorm, self-attention, LayerNorm, MLP 4x).
 
-    classes: int = 4
+    Called inside a compact `__call__`, so its layers belong to the caller:
+    `LayerNorm_0`, `MultiHeadDotProductAttention_0`, `LayerNorm_1`, `Dense_0`, `Dense_1`.
+    """
+    mask = nn.make_causal_mask(x[..., 0]) if causal else None
+    h = nn.LayerNorm(dtype=dtype)(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=heads, dtype=dtype)(h, h, mask=mask)
+    h = nn.LayerNorm(dtype=dtype)(x)
+    up = nn.Dense(4 * x.shape[-1], dtype=dtype)(h)
+    return x + nn.Dense(x.shape[-1], dtype=dtype)(nn.gelu(up))
+
+
+class Block(nn.Module):
+    """`block_layers` as a module: one GPT block."""
+
+    heads: int = 4
+    causal: bool = True
 
     @nn.compact
-    def __call__(self, x, train: bool = True):
-        for features in (8, 16):
-            x = nn.Conv(features, (3, 3))(x)
-            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
-            x = nn.relu(x)
-        x = x.mean(axis=(1, 2))
-        return nn.Dense(self.classes, name="head")(x)
+    def __call__(self, x):
+        return block_layers(x, self.heads, self.causal)
 
 
-class LinenBlock(nn.Module):
-    """A pre-norm transformer block with a classifier head on the mean token."""
+class ScannedBlock(nn.Module):
+    """`Block` in the (carry, output) form `nn.scan` wants."""
+
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x, _):
+        return Block(self.heads)(x), None
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, `layers` causal blocks, a final LayerNorm and a head.
+
+    Written as a Python loop of blocks (16 parameter leaves a block), or with `scan=True` as
+    `nn.scan` over `nn.remat` (the leaves stacked per layer).
+    """
+
+    vocab: int = 64
+    dim: int = 32
+    length: int = 16
+    layers: int = 12
+    scan: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.dim)(tokens)
+        x = x + self.param("position", nn.initializers.normal(0.02), (self.length, self.dim))
+        if self.scan:
+            stack = nn.scan(
+                nn.remat(ScannedBlock),
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=self.layers,
+            )
+            x, _ = stack(name="blocks")(x, None)
+        else:
+            for _ in range(self.layers):
+                x = Block()(x)
+        return nn.Dense(self.vocab, use_bias=False, name="head")(nn.LayerNorm()(x))
+
+
+class Classifier(nn.Module):
+    """An optional conv stem, one transformer block, a classifier head on the mean token.
+
+    `dtype` set: every layer computes in it (the hand-cast baseline of the autocast benchmark);
+    None: plain float32 Flax.
+    """
 
     dim: int = 16
     heads: int = 2
     classes: int = 4
+    stem: bool = False
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x):
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h)
-        h = nn.LayerNorm()(x)
-        h = nn.Dense(4 * self.dim)(h)
-        x = x + nn.Dense(self.dim)(nn.gelu(h))
-        return nn.Dense(self.classes, name="head")(x.mean(axis=1))
+        if self.stem:
+            x = nn.Conv(self.dim, (3,), dtype=self.dtype)(x)
+        x = block_layers(x, self.heads, dtype=self.dtype)
+        return nn.Dense(self.classes, dtype=self.dtype, name="head")(x.mean(axis=1))
+
+
+class CNN(nn.Module):
+    """Conv -> BatchNorm -> relu blocks, then a Dense classifier."""
+
+    features: tuple[int, ...] = (8, 16)
+    classes: int = 4
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        for features in self.features:
+            x = nn.Conv(features, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+            x = nn.relu(x)
+        return nn.Dense(self.classes, name="head")(x.mean(axis=(1, 2)))
 
 
 class NNXBlock(nnx.Module):
-    """The same block in NNX."""
+    """The pre-norm transformer block in NNX."""
 
-    def __init__(self, dim=16, heads=2, classes=4, *, rngs):
+    def __init__(self, dim: int = 16, heads: int = 2, *, rngs: nnx.Rngs):
         self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(
             num_heads=heads, in_features=dim, decode=False, rngs=rngs
@@ -48,11 +127,35 @@ class NNXBlock(nnx.Module):
         self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
         self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
         self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
-        self.head = nnx.Linear(dim, classes, rngs=rngs)
 
     def __call__(self, x):
         h = self.norm1(x)
         x = x + self.attn(h, h)
-        h = self.norm2(x)
-        x = x + self.down(nnx.gelu(self.up(h)))
-        return self.head(jnp.mean(x, axis=1))
+        return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class NNXClassifier(NNXBlock):
+    """`NNXBlock` with a classifier head on the mean token (its layers stay at the top level)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, classes: int = 4, *, rngs: nnx.Rngs):
+        super().__init__(dim, heads, rngs=rngs)
+        self.head = nnx.Linear(dim, classes, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.mean(super().__call__(x), axis=1))
+
+
+class NNXGPT(nnx.Module):
+    """`GPT` in NNX: embeddings, a list of blocks, a final LayerNorm and a head."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.blocks = nnx.List([NNXBlock(dim, 4, rngs=rngs) for _ in range(layers)])
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))

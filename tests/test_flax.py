@@ -1,7 +1,6 @@
 """Tests for jmp_policy.linen and jmp_policy.nnx on unmodified Flax models."""
 
 import re
-import warnings
 
 import chex
 import flax.linen as nn
@@ -13,14 +12,16 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from flax_models import LinenBlock, LinenCNN, NNXBlock
+from flax_models import CNN, Classifier, NNXClassifier
 
 import jmp_policy as jmp
-from jmp_policy.census import MATMULS, census_of_jaxpr, compute_dtype, iter_equations
+from jmp_policy.census import MATMULS, compute_dtype, iter_equations, report_of_jaxpr
 
-# optax's Adam bias correction, schedules and MultiSteps mix int32 and float
-# values, so tests running them use JAX's standard promotion (conftest.py).
-optax_promotion = pytest.mark.standard_promotion
+# Third-party code that mixes dtypes internally runs under JAX's standard
+# promotion (conftest.py): optax's Adam bias correction (int32 and float), and
+# Flax's LayerNorm in bfloat16, BatchNorm in inference mode and lifted
+# transforms (weak and strong types).
+third_party_promotion = pytest.mark.standard_promotion
 
 HALF_POLICIES = ["mixed_float16", "mixed_bfloat16"]
 F32 = jnp.dtype("float32")
@@ -49,8 +50,8 @@ def check_program(forward, backward, half, in_island, label):
             if is_forward and island and floating and eqn.primitive.name != "convert_element_type":
                 assert set(_floating_outputs(eqn)) <= {F32}, (label, eqn)
                 island_ops += 1
-    print(f"\n{label} forward: {census_of_jaxpr(forward)}")
-    print(f"{label} forward+backward: {census_of_jaxpr(backward)}")
+    print(f"\n{label} forward: {report_of_jaxpr(forward)}")
+    print(f"{label} forward+backward: {report_of_jaxpr(backward)}")
     assert matmuls and island_ops
 
 
@@ -68,8 +69,8 @@ def nnx_island(eqn):
 
 
 LINEN_CASES = {
-    "cnn": (LinenCNN(), lambda: jnp.ones((2, 8, 8, 3)), ["BatchNorm_"]),
-    "block": (LinenBlock(), lambda: jnp.ones((2, 5, 16)), ["LayerNorm_"]),
+    "cnn": (CNN(), lambda: jnp.ones((2, 8, 8, 3)), ["BatchNorm_"]),
+    "block": (Classifier(), lambda: jnp.ones((2, 5, 16)), ["LayerNorm_"]),
 }
 
 
@@ -102,7 +103,7 @@ def test_linen_program(case, name):
 @pytest.mark.parametrize("name", HALF_POLICIES)
 def test_nnx_program(name):
     policy = jmp.get_policy(name)
-    model = jmp.nnx.mixed_precision(NNXBlock(rngs=nnx.Rngs(0)), policy)
+    model = jmp.nnx.mixed_precision(NNXClassifier(rngs=nnx.Rngs(0)), policy)
     x = jnp.ones((2, 5, 16))
 
     def loss(model, x):
@@ -123,10 +124,10 @@ def test_nnx_program(name):
     assert nnx.jit(loss)(model, x).dtype == policy.output_dtype
 
 
-@pytest.mark.standard_promotion  # optax's adam / Flax's LayerNorm in bf16
+@third_party_promotion
 def test_batch_stats_stay_float32_and_match_a_float32_reference():
     policy = jmp.get_policy("mixed_float16")
-    model = LinenCNN()
+    model = CNN()
     mixed = jmp.linen.mixed_precision(model, policy)
     x = jax.random.normal(jax.random.key(1), (16, 8, 8, 3))
     y = jax.random.randint(jax.random.key(2), (16,), 0, 4)
@@ -183,7 +184,7 @@ def _synthetic_task():
 def _train_linen(policy_name, steps=60):
     x, y = _synthetic_task()
     policy = jmp.get_policy(policy_name)
-    mixed = jmp.linen.mixed_precision(LinenBlock(), policy)
+    mixed = jmp.linen.mixed_precision(Classifier(), policy)
     params = mixed.init(jax.random.key(0), x[:2])["params"]
     scale = (
         jmp.DynamicLossScale(2.0**15)
@@ -209,12 +210,12 @@ def _train_linen(policy_name, steps=60):
     # Judge every run by the same float32 evaluation of its master weights.
     return float(
         optax.softmax_cross_entropy_with_integer_labels(
-            LinenBlock().apply({"params": params}, x), y
+            Classifier().apply({"params": params}, x), y
         ).mean()
     )
 
 
-@optax_promotion
+@third_party_promotion
 def test_training_parity_linen():
     losses = {name: _train_linen(name) for name in ("float32", *HALF_POLICIES)}
     print(f"\nfinal float32-evaluated losses: {losses}")
@@ -223,12 +224,12 @@ def test_training_parity_linen():
     assert losses["float32"] < 0.8  # it learned (chance is log(4) = 1.39)
 
 
-@pytest.mark.standard_promotion
+@third_party_promotion
 def test_nnx_optimizer_with_loss_scaling_and_parity():
     x, y = _synthetic_task()
     losses = {}
     for name in ("float32", "mixed_float16"):
-        model = jmp.nnx.mixed_precision(NNXBlock(rngs=nnx.Rngs(0)), jmp.get_policy(name))
+        model = jmp.nnx.mixed_precision(NNXClassifier(rngs=nnx.Rngs(0)), jmp.get_policy(name))
         optimizer = nnx.Optimizer(
             model, jmp.loss_scaling(optax.adam(3e-3), jmp.DynamicLossScale(2.0**15)), wrt=nnx.Param
         )
@@ -246,7 +247,7 @@ def test_nnx_optimizer_with_loss_scaling_and_parity():
 
         for _ in range(60):
             step(model, optimizer)
-        reference = NNXBlock(rngs=nnx.Rngs(0))
+        reference = NNXClassifier(rngs=nnx.Rngs(0))
         nnx.update(reference, nnx.state(model, nnx.Param))  # float32 evaluation
         losses[name] = float(
             optax.softmax_cross_entropy_with_integer_labels(reference(x), y).mean()
@@ -258,109 +259,39 @@ def test_nnx_optimizer_with_loss_scaling_and_parity():
 
 def test_parameter_tree_unchanged_and_float32_checkpoint_loads():
     x = jnp.ones((2, 5, 16))
-    plain = LinenBlock().init(jax.random.key(0), x)
-    mixed = jmp.linen.mixed_precision(LinenBlock(), jmp.get_policy("mixed_float16"))
+    plain = Classifier().init(jax.random.key(0), x)
+    mixed = jmp.linen.mixed_precision(Classifier(), jmp.get_policy("mixed_float16"))
     assert jax.tree.structure(mixed.init(jax.random.key(0), x)) == jax.tree.structure(plain)
     out = mixed.apply(plain, x)  # a float32 "checkpoint" loads as is
-    chex.assert_trees_all_close(out, LinenBlock().apply(plain, x), atol=2e-2)
+    chex.assert_trees_all_close(out, Classifier().apply(plain, x), atol=2e-2)
 
-    model = NNXBlock(rngs=nnx.Rngs(0))
+    model = NNXClassifier(rngs=nnx.Rngs(0))
     before = nnx.state(model)
     jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
     after = nnx.state(model)
     assert jax.tree.structure(before) == jax.tree.structure(after)
     chex.assert_trees_all_equal(before, after)
-    fresh = NNXBlock(rngs=nnx.Rngs(1))
+    fresh = NNXClassifier(rngs=nnx.Rngs(1))
     nnx.update(model, nnx.state(fresh))  # load a float32 model's state
     assert model(x).dtype == F32
 
 
-@pytest.mark.standard_promotion  # optax's adam / Flax's LayerNorm in bf16
-def test_path_and_regex_overrides_linen():
-    f32 = jmp.get_policy("float32")
-    x = jnp.ones((2, 5, 16))
-    mixed = jmp.linen.mixed_precision(
-        LinenBlock(), jmp.get_policy("mixed_bfloat16"), {re.compile(r"Dense_\d"): f32}
-    )
-    variables = mixed.init(jax.random.key(0), x)
-    jaxpr = jax.make_jaxpr(lambda v: mixed.apply(v, x))(variables)
-    seen = []
-    for eqn in iter_equations(jaxpr):
-        if eqn.primitive.name == "dot_general":
-            in_dense = re.search(r"LinenBlock/Dense_\d", str(eqn.source_info.name_stack))
-            expected = F32 if in_dense else jnp.dtype(jnp.bfloat16)
-            assert {v.aval.dtype for v in eqn.invars} == {expected}, eqn
-            seen.append(expected)
-    # Both occur: the overridden Dense layers in float32, attention in bfloat16.
-    assert seen.count(F32) >= 2 and seen.count(jnp.dtype(jnp.bfloat16)) >= 4, seen
-    # Without NORMS_IN_FLOAT32, LayerNorm follows the policy (its statistics in
-    # float32 all the same: Flax reduces in float32 by default).
-
-
-def test_nnx_path_override_and_nesting():
-    model = NNXBlock(rngs=nnx.Rngs(0))
-    jmp.nnx.mixed_precision(
-        model, jmp.get_policy("mixed_float16"), {"attn": jmp.get_policy("float32")}
-    )
-    assert model.attn.dtype == F32 and model.attn.query.dtype == F32  # inherited
-    assert model.up.dtype == jnp.float16 and model.norm1.dtype == jnp.float16
-
-
-@pytest.mark.parametrize(
-    "overrides, error, match",
-    [
-        ({3: jmp.get_policy("float32")}, TypeError, "key of `overrides`"),
-        ({nn.Dense(3): jmp.get_policy("float32")}, TypeError, "key of `overrides`"),
-        ({int: jmp.get_policy("float32")}, TypeError, "key of `overrides`"),
-        # A name is a policy too; a dtype is explained.
-        ({"head": jnp.float32}, TypeError, r"Policy .* for `overrides\['head'\]`, got the dtype"),
-        ([], TypeError, "mapping"),
-    ],
-)
-def test_bad_overrides(overrides, error, match):
-    with pytest.raises(error, match=match):
-        jmp.linen.mixed_precision(LinenBlock(), jmp.get_policy("mixed_float16"), overrides)
-    with pytest.raises(error, match=match):
-        jmp.nnx.mixed_precision(
-            NNXBlock(rngs=nnx.Rngs(0)), jmp.get_policy("mixed_float16"), overrides
-        )
-
-
 def test_bad_policy_and_module():
     with pytest.raises(TypeError, match="`policy`"):
-        jmp.linen.mixed_precision(LinenBlock(), jnp.float16)
+        jmp.linen.mixed_precision(Classifier(), jnp.float16)
     with pytest.raises(TypeError, match="`module`"):
-        jmp.linen.mixed_precision(NNXBlock(rngs=nnx.Rngs(0)), jmp.get_policy("float32"))
+        jmp.linen.mixed_precision(NNXClassifier(rngs=nnx.Rngs(0)), jmp.get_policy("float32"))
     with pytest.raises(TypeError, match="`model`"):
-        jmp.nnx.mixed_precision(LinenBlock(), jmp.get_policy("float32"))
+        jmp.nnx.mixed_precision(Classifier(), jmp.get_policy("float32"))
 
 
-def test_unmatched_pattern_warns():
-    mixed = jmp.linen.mixed_precision(
-        LinenBlock(), jmp.get_policy("mixed_float16"), {"*/nothing": jmp.get_policy("float32")}
-    )
-    with pytest.warns(UserWarning, match="'\\*/nothing' matches no module"):
-        mixed.init(jax.random.key(0), jnp.ones((1, 3, 16)))
-    with pytest.warns(UserWarning, match="'decoder' matches no module"):
-        jmp.nnx.mixed_precision(
-            NNXBlock(rngs=nnx.Rngs(0)),
-            jmp.get_policy("mixed_float16"),
-            {"decoder": jmp.get_policy("float32")},
-        )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        jmp.linen.mixed_precision(
-            LinenBlock(), jmp.get_policy("mixed_float16"), {"head": jmp.get_policy("float32")}
-        ).init(jax.random.key(0), jnp.ones((1, 3, 16)))
-
-
-@pytest.mark.standard_promotion  # Flax's BatchNorm in inference mode mixes dtypes internally
+@third_party_promotion
 def test_apply_without_init_with_flags_and_callables():
     """A checkpoint loaded straight into `apply`, in inference mode: the module
     paths are learnt from that call (a flag and a callable among its arguments)."""
     x = jnp.ones((2, 8, 8, 3))
-    variables = LinenCNN().init(jax.random.key(0), x)  # the float32 model's checkpoint
-    mixed = jmp.linen.mixed_precision(LinenCNN(), jmp.get_policy("mixed_float16"))
+    variables = CNN().init(jax.random.key(0), x)  # the float32 model's checkpoint
+    mixed = jmp.linen.mixed_precision(CNN(), jmp.get_policy("mixed_float16"))
     logits, inter = mixed.apply(
         variables,
         x,
@@ -409,7 +340,7 @@ class _Lifted(nn.Module):
         return nn.remat(_Dense)(name="rm")(x)
 
 
-@pytest.mark.standard_promotion  # flax's lifted transforms mix weak and strong types
+@third_party_promotion
 def test_linen_lifted_transforms_keep_the_carry_dtype():
     mixed = jmp.linen.mixed_precision(_Lifted(), jmp.get_policy("mixed_float16"))
     x = jax.random.normal(jax.random.key(1), (2, 4, 8))
@@ -498,7 +429,7 @@ class _NNXStacked(nnx.Module):
         return self.head(body(x, self.blocks))
 
 
-@optax_promotion
+@third_party_promotion
 def test_nnx_stacked_layers_under_scan_vmap_remat():
     model = jmp.nnx.mixed_precision(_NNXStacked(nnx.Rngs(0)), jmp.get_policy("mixed_float16"))
     assert model.blocks.lin.kernel[...].shape == (3, 8, 8)

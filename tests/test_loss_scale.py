@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jmp_policy as jmp
+from jmp_policy.finite import leaf_finite_flags
 
 
 def grad_scaler_reference(flags, init=2.0**16, growth=2.0, backoff=0.5, interval=2000):
@@ -260,7 +261,7 @@ def test_finite_checks_see_overflow_of_a_scaled_value(size):
 
     def checks(y):
         x = jmp.StaticLossScale(0.25).unscale(y)
-        return jmp.all_finite([x, jnp.ones(3)]), jmp.leaf_finite_flags([x, jnp.ones(3)])
+        return jmp.all_finite([x, jnp.ones(3)]), leaf_finite_flags([x, jnp.ones(3)])
 
     finite, flags = jax.jit(checks)(y)
     assert not bool(finite) and [bool(f) for f in flags] == [False, True]

@@ -1,0 +1,106 @@
+"""Tests for jmp_policy.census: `precision_report`, one report with one counting rule."""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax_models import Classifier
+from jax import lax
+
+import jmp_policy as jmp
+from jmp_policy.census import report_of_jaxpr
+
+MODEL = Classifier(dim=32, heads=4, classes=5, stem=True)
+X = jax.random.normal(jax.random.key(0), (8, 12, 6))
+Y = jax.random.randint(jax.random.key(1), (8,), 0, 5)
+PARAMS = MODEL.init(jax.random.key(2), X)["params"]
+
+
+def loss_fn(params, x, y):
+    logits = MODEL.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def rnn(params, xs):
+    def cell(h, x):
+        h = jnp.tanh(h @ params["w"] + x @ params["u"])
+        return h, jnp.exp(h).sum()
+
+    h, outs = lax.scan(cell, jnp.zeros((xs.shape[1], params["w"].shape[0])), xs)
+    return h.sum() + outs.sum()
+
+
+RNN_PARAMS = {"w": jnp.eye(4) * 0.5, "u": jnp.ones((3, 4)) * 0.1}
+XS = jax.random.normal(jax.random.key(3), (7, 2, 3))
+
+
+def test_flops_casts_and_misaligned_matmuls():
+    report = jmp.precision_report(jmp.autocast(loss_fn), PARAMS, X, Y, original=loss_fn)
+    print(f"\n{report}")
+    assert report.half_matmul_flop_share == 1.0
+    assert report.casts_inserted > 0 and report.casts >= report.casts_inserted
+    by_class = {(p, d): (c, f) for p, d, c, f in report.rows}
+    assert by_class[("conv_general_dilated", "float16")][0] == 1
+    # conv: 12 positions x 32 features x 3 taps x 6 channels x 2, per example.
+    assert by_class[("conv_general_dilated", "float16")][1] == 2 * 8 * 12 * 32 * 3 * 6
+    flagged = {(p, c, o) for p, _, c, o, _ in report.misaligned}
+    assert ("conv_general_dilated", (6,), (32,)) in flagged  # 6 input channels
+    assert ("dot_general", (32,), (8, 5)) in flagged  # the 5-class head: N = 5
+    assert not any(p == "dot_general" and c == (32,) and o[1] == 32 for p, c, o in flagged)
+    # Where: the module path of the misaligned head.
+    assert any("head" in where for p, _, c, o, where in report.misaligned if o == (8, 5))
+    baseline = jmp.precision_report(loss_fn, PARAMS, X, Y)
+    assert baseline.half_matmul_flop_share == 0.0 and baseline.casts_inserted is None
+    assert baseline.total("float16") == 0 and baseline.total("float32") > 0
+
+
+def test_one_counting_rule_scan_bodies_per_step():
+    """A scan body counts `length` times in every figure: rows, counts and totals."""
+    report = jmp.precision_report(jmp.autocast(rnn), RNN_PARAMS, XS)
+    print(f"\n{report}")
+    dots = {(p, d): (c, f) for p, d, c, f in report.rows}[("dot_general", "float16")]
+    assert dots == (2 * 7, 7 * (2 * 2 * 4 * 4 + 2 * 2 * 3 * 4))
+    assert report.counts["dot_general"] == {"float16": 14}
+    assert report.counts["exp"] == {"float32": 7}  # exp is on the float32 list
+    assert report.total("float16", ["dot_general"]) == 14
+    assert report.total("float16") == sum(c for _, d, c, _ in report.rows if d == "float16")
+    # The same program unrolled by hand gives the same counts.
+    unrolled = jmp.precision_report(jmp.autocast(_unrolled), RNN_PARAMS, XS)
+    assert unrolled.counts["dot_general"] == report.counts["dot_general"]
+    assert unrolled.counts["exp"] == report.counts["exp"]
+
+
+def _unrolled(params, xs):
+    h = jnp.zeros((xs.shape[1], params["w"].shape[0]))
+    total = 0.0
+    for x in xs:
+        h = jnp.tanh(h @ params["w"] + x @ params["u"])
+        total = total + jnp.exp(h).sum()
+    return h.sum() + total
+
+
+def test_counts_agree_with_rows_and_nested_programs_count_once():
+    """jit, cond and while bodies count once (a while's trip count is unknown when tracing)."""
+
+    def f(w, x):
+        y = jax.jit(lambda a: a @ w)(x)
+        y = lax.cond(y.sum() > 0, lambda a: a @ w, lambda a: a, y)
+        return lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] @ w, c[1] + 1), (y, 0))[0]
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    report = jmp.precision_report(jmp.autocast(f), w, x)
+    assert report.counts["dot_general"] == {"float16": 3}
+    for primitive, by_dtype in report.counts.items():
+        for dtype, count in by_dtype.items():
+            assert (primitive, dtype, count) in {(p, d, c) for p, d, c, _ in report.rows}
+    # The jaxpr entry point gives the same report.
+    assert report_of_jaxpr(jax.make_jaxpr(jmp.autocast(f))(w, x)) == report
+
+
+def test_shape_dtype_structs_and_printing():
+    spec = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    report = jmp.precision_report(jmp.autocast(lambda a, b: (a @ b.T).sum()), spec, spec)
+    text = str(report)
+    assert "matmul/conv FLOPs in half precision: 100.0%" in text
+    assert "ops in half precision: " in text and "dot_general" in text
+    assert report.rows[0][:2] == ("dot_general", "float16")
+    assert report.rows[0][3] == 2 * 8 * 8 * 16

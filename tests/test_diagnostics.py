@@ -1,0 +1,69 @@
+"""Tests for jmp_policy.diagnostics: host-side reports on a `loss_scaling` state."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training import train_state
+
+import jmp_policy as jmp
+
+
+def test_report_fields_and_log_line():
+    tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**4, period=2))
+    params = {"a": jnp.ones(3), "b": {"c": jnp.ones(2)}}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    report = jmp.loss_scaling_report(state)
+    assert report == jmp.LossScalingReport(16.0, 0, 0, 0, False, False, ())
+    good = jax.tree.map(jnp.ones_like, params)
+    for _ in range(2):
+        _, state = step(good, state, params)
+    bad = {"a": jnp.ones(3), "b": {"c": jnp.array([jnp.inf, 0.0])}}
+    _, state = step(bad, state, params)
+    report = jmp.loss_scaling_report(state)
+    print(f"\n{report}")
+    assert (report.applied_steps, report.skipped_steps, report.nonfinite_run) == (2, 1, 1)
+    assert report.loss_scale == 16.0  # grew to 32 after 2 clean steps, halved on the skip
+    assert report.last_step_skipped and report.nonfinite_paths == ("['b']['c']",)
+    assert str(report) == (
+        "loss scale 16; applied 2, skipped 1 (current run 1); "
+        "last non-finite gradients in ['b']['c']"
+    )
+    _, state = step(good, state, params)
+    report = jmp.loss_scaling_report(state)
+    # The paths of the last skip are kept, but the log line stops naming them.
+    assert report.nonfinite_paths == ("['b']['c']",) and not report.last_step_skipped
+    assert "non-finite" not in str(report)
+
+
+def test_report_through_train_state_and_chain():
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15)),
+    )
+    state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+    report = jmp.check_loss_scaling(state)
+    assert report.loss_scale == 2.0**15 and report.skipped_steps == 0
+    with pytest.raises(ValueError, match="loss_scaling"):
+        jmp.loss_scaling_report(optax.adam(1e-3).init({"w": jnp.ones(2)}))
+
+
+def test_stuck_training_becomes_visible():
+    tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(4.0, min_loss_scale=1.0))
+    params = {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.ones(2)}}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    nan_loss_grads = {"enc": {"w": jnp.array([jnp.nan, 1.0])}, "dec": {"w": jnp.ones(2)}}
+    for _ in range(5):
+        _, state = step(nan_loss_grads, state, params)
+    report = jmp.check_loss_scaling(state, max_nonfinite_run=6)
+    assert report.nonfinite_run == 5 and report.at_floor
+    assert jmp.loss_scaling_report(state).nonfinite_paths == ("['enc']['w']",)
+    _, state = step(nan_loss_grads, state, params)
+    with pytest.raises(
+        jmp.NonFiniteLossError, match=r"6 consecutive steps .* at its floor.* \['enc'\]\['w'\]"
+    ):
+        jmp.check_loss_scaling(state, max_nonfinite_run=6)
+    with pytest.raises(ValueError, match="`max_nonfinite_run`"):
+        jmp.check_loss_scaling(state, max_nonfinite_run=0)

@@ -1,0 +1,48 @@
+"""Tests for the package itself (jmp_policy/__init__.py, _flax_serialization.py): a lean import
+whatever the import order, and its public names."""
+
+import subprocess
+import sys
+
+import jmp_policy as jmp
+
+
+def run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+def test_import_does_not_load_flax_until_linen_or_nnx_is_used():
+    out = run(
+        "import sys, jmp_policy as jmp\n"
+        "print('flax' in sys.modules)\n"
+        "jmp.get_policy('mixed_float16'); jmp.loss_scaling\n"
+        "print('flax' in sys.modules)\n"
+        "print(jmp.linen.mixed_precision.__module__, 'flax' in sys.modules)\n"
+    )
+    assert out.splitlines() == ["False", "False", "jmp_policy.linen True"]
+
+
+SERIALIZE = (
+    "import jax.numpy as jnp, optax\n"
+    "scale = jmp.DynamicLossScale(jnp.float32(8.0), counter=jnp.int32(3))\n"
+    "restored = flax.serialization.from_bytes(jmp.DynamicLossScale(1.0), "
+    "flax.serialization.to_bytes(scale))\n"
+    "print(float(restored.loss_scale), int(restored.counter))\n"
+)
+
+
+def test_flax_serialization_registered_whichever_is_imported_first():
+    first = run("import jmp_policy as jmp\nimport flax.serialization\n" + SERIALIZE)
+    second = run("import flax.serialization\nimport jmp_policy as jmp\n" + SERIALIZE)
+    assert first == second == "8.0 3"
+
+
+def test_public_names():
+    assert list(jmp.__all__) == sorted(jmp.__all__)
+    assert all(hasattr(jmp, name) for name in jmp.__all__)
+    assert {"linen", "nnx"} <= set(dir(jmp))
+    # One name per concept: the merged and the internal names are gone.
+    for gone in ("precision_census", "Census", "nonfinite_paths", "leaf_finite_vector"):
+        assert not hasattr(jmp, gone), gone
