@@ -23,7 +23,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from common import interleaved_medians, machine  # noqa: E402
-from flax_models import Classifier  # noqa: E402
+from models import Classifier  # noqa: E402
 
 import jmp_policy as jmp  # noqa: E402
 

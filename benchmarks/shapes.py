@@ -13,7 +13,7 @@ compute, float32 norms). They differ in what matters to a loss-scaled step:
 - `cnn`: convolutions with BatchNorm (batch statistics as `extra`);
 - `nnx`: an NNX transformer, split into a graph and a parameter state.
 
-The models themselves are `tests/flax_models.py`, the one copy the tests use
+The models themselves are `tests/models.py`, the one copy the tests use
 too; the test suite runs the benchmarks in their fast mode.
 """
 
@@ -33,7 +33,7 @@ from flax import nnx
 import jmp_policy as jmp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from flax_models import CNN, GPT, NNXGPT  # noqa: E402
+from models import CNN, GPT, NNXGPT  # noqa: E402
 
 POLICY = "mixed_float16"
 

@@ -13,7 +13,7 @@ import sys
 import jax
 import pytest
 
-# Shared test models (tests/flax_models.py) are imported by name.
+# Shared test models (tests/models.py) are imported by name.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 # Run only in its own subprocess (it needs 8 forced devices), never collected.

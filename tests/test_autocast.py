@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax_models import Classifier
 from jax import lax
+from models import MODEL, PARAMS, RNN_PARAMS, XS, X, Y, loss_fn, rnn
 
 import jmp_policy as jmp
 from jmp_policy.census import MATMULS, iter_equations, report_of_jaxpr
@@ -14,17 +14,6 @@ from jmp_policy.census import MATMULS, iter_equations, report_of_jaxpr
 F32 = jnp.dtype("float32")
 HALF = [jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)]
 FRAGILE = {"exp", "log", "reduce_sum"}
-
-
-MODEL = Classifier(dim=32, heads=4, classes=5, stem=True)  # a conv stem, a block, a head
-X = jax.random.normal(jax.random.key(0), (8, 12, 6))
-Y = jax.random.randint(jax.random.key(1), (8,), 0, 5)
-PARAMS = MODEL.init(jax.random.key(2), X)["params"]
-
-
-def loss_fn(params, x, y):
-    logits = MODEL.apply({"params": params}, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def operand_dtypes(eqn):
@@ -75,19 +64,6 @@ def test_flax_transformer_with_conv_stem(name):
         f"gradient cosine {similarity:.5f}"
     )
     assert similarity >= 0.999
-
-
-def rnn(params, xs):
-    def cell(h, x):
-        h = jnp.tanh(h @ params["w"] + x @ params["u"])
-        return h, jnp.exp(h).sum()
-
-    h, outs = lax.scan(cell, jnp.zeros((xs.shape[1], params["w"].shape[0])), xs)
-    return h.sum() + outs.sum()
-
-
-RNN_PARAMS = {"w": jnp.eye(4) * 0.5, "u": jnp.ones((3, 4)) * 0.1}
-XS = jax.random.normal(jax.random.key(3), (7, 2, 3))
 
 
 @pytest.mark.parametrize("half", HALF)

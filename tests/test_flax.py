@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from flax_models import CNN, Classifier, NNXClassifier
+from models import CNN, Classifier, NNXClassifier
 
 import jmp_policy as jmp
 from jmp_policy.census import MATMULS, compute_dtype, iter_equations, report_of_jaxpr

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from flax_models import Classifier, NNXClassifier
+from models import Classifier, NNXClassifier
 
 import jmp_policy as jmp
 from jmp_policy.census import iter_equations

@@ -1,4 +1,4 @@
-"""Unmodified Flax models, one copy for the tests and the benchmarks (no mixed-precision code here).
+"""Unmodified models, one copy for the tests and the benchmarks (no mixed-precision code here).
 
 The benchmarks (`benchmarks/shapes.py`, `benchmarks/bench_autocast.py`) import this file too; the
 examples stay self-contained and define their own.
@@ -11,7 +11,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from jax import lax
 
 
 def block_layers(x: jax.Array, heads: int, causal: bool = False, dtype: Any = None) -> jax.Array:
@@ -159,3 +161,31 @@ class NNXGPT(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+def rnn(params, xs):
+    """A plain JAX recurrence under `lax.scan` (7 steps with `XS`): two dots and an exp a step."""
+
+    def cell(h, x):
+        h = jnp.tanh(h @ params["w"] + x @ params["u"])
+        return h, jnp.exp(h).sum()
+
+    h, outs = lax.scan(cell, jnp.zeros((xs.shape[1], params["w"].shape[0])), xs)
+    return h.sum() + outs.sum()
+
+
+RNN_PARAMS = {"w": jnp.eye(4) * 0.5, "u": jnp.ones((3, 4)) * 0.1}
+XS = jax.random.normal(jax.random.key(3), (7, 2, 3))
+
+
+# A conv stem, a block and a 5-class head on (8, 12, 6) inputs: the autocast and census tests'.
+MODEL = Classifier(dim=32, heads=4, classes=5, stem=True)
+X = jax.random.normal(jax.random.key(0), (8, 12, 6))
+Y = jax.random.randint(jax.random.key(1), (8,), 0, 5)
+PARAMS = MODEL.init(jax.random.key(2), X)["params"]
+
+
+def loss_fn(params, x, y):
+    """`MODEL`'s mean cross-entropy: plain float32 Flax, no mixed-precision code."""
+    logits = MODEL.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
