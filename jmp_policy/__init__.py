@@ -25,6 +25,9 @@ What is here, by topic:
 - optax: `loss_scaling` (unscale, check, apply or skip, adjust: one transform),
   `value_and_scaled_grad` (the loss for logging, the gradients for `update`), `get_loss_scale`,
   `find_loss_scaling_state`, `LossScalingState`, `LeafFlags`.
+- Low-precision optimizer state: `low_precision_optimizer` (bfloat16 parameters and moments
+  with stochastic rounding, Kahan compensation, or an exact float32 split), `master_params`,
+  `LowPrecisionState`.
 - Flax: `jmp_policy.linen.mixed_precision`, `jmp_policy.nnx.mixed_precision` (a policy on an
   unmodified model, with float32 norms, softmax and batch statistics). Flax is imported only when
   one of these two is first used, so jmp and optax users do not load it.
@@ -59,6 +62,7 @@ from jmp_policy.loss_scale import (
     StaticLossScale,
     select_tree,
 )
+from jmp_policy.low_precision import LowPrecisionState, low_precision_optimizer, master_params
 from jmp_policy.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from jmp_policy.scaled_grad import value_and_scaled_grad
 from jmp_policy.transform import (
@@ -101,6 +105,7 @@ __all__ = (
     "LossScale",
     "LossScalingReport",
     "LossScalingState",
+    "LowPrecisionState",
     "NoOpLossScale",
     "NonFiniteLossError",
     "Policy",
@@ -119,6 +124,8 @@ __all__ = (
     "linen",
     "loss_scaling",
     "loss_scaling_report",
+    "low_precision_optimizer",
+    "master_params",
     "nnx",
     "precision_report",
     "select_tree",

@@ -9,9 +9,10 @@ and leaves the inner state exactly as it was), and only then adjusts S.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import chex
 import jax
@@ -42,6 +43,9 @@ def host_value(x: Any) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         x = x.addressable_data(0)
     return np.asarray(jax.device_get(x))
+
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +121,10 @@ def _half_leaves(tree: Any) -> list[str]:
 
 
 def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
+    from jmp_policy.low_precision import LowPrecisionState  # it imports this module
+
+    if find_states(inner_state, LowPrecisionState):
+        return  # 16-bit parameters and moments on purpose, their updates kept
     for what, tree in (("parameters", params), ("the inner optimizer state", inner_state)):
         half = _half_leaves(tree)
         if half:
@@ -127,7 +135,9 @@ def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
                 "underflows to 0 in float16. Keep float32 master weights and cast a copy for "
                 "the forward pass, e.g. `policy = jmp_policy.get_policy('mixed_float16')`, "
                 "`params = policy.cast_to_param(params)` before `init`, and "
-                "`policy.cast_to_compute(params)` inside the loss.",
+                "`policy.cast_to_compute(params)` inside the loss. Or keep them in bfloat16 "
+                "without losing the small updates: wrap the optimizer in "
+                "`jmp_policy.low_precision_optimizer` (stochastic rounding, Kahan or split).",
                 UserWarning,
                 stacklevel=3,
             )
@@ -313,6 +323,15 @@ def _run_if_finite(finite, apply, grads, inner_state, in_a_loop):
     return lax.cond(finite, apply, skip, grads, inner_state)
 
 
+def find_states(opt_state: Any, cls: type[T]) -> list[T]:
+    """Every `cls` inside `opt_state`: a pytree of states (`optax.chain`, `MultiSteps`,
+    `inject_hyperparams`, ...), a Flax `TrainState` or an `nnx.Optimizer`."""
+    tree = _optimizer_state_of(opt_state)
+    return [
+        x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, cls)) if isinstance(x, cls)
+    ]
+
+
 def find_loss_scaling_state(opt_state: Any) -> LossScalingState:
     """Returns the `LossScalingState` inside `opt_state`, wherever it sits.
 
@@ -323,12 +342,7 @@ def find_loss_scaling_state(opt_state: Any) -> LossScalingState:
     Raises:
       ValueError: there is no `loss_scaling` state, or more than one.
     """
-    tree = _optimizer_state_of(opt_state)
-    found = [
-        x
-        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LossScalingState))
-        if isinstance(x, LossScalingState)
-    ]
+    found = find_states(opt_state, LossScalingState)
     if len(found) != 1:
         what = "none" if not found else f"{len(found)}"
         raise ValueError(
@@ -341,9 +355,9 @@ def find_loss_scaling_state(opt_state: Any) -> LossScalingState:
 
 
 def _optimizer_state_of(obj: Any) -> Any:
-    from flax import nnx
-
-    if isinstance(obj, nnx.Optimizer):
+    # Without Flax loaded, `obj` cannot be an nnx.Optimizer: do not import it.
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(obj, nnx.Optimizer):
         # nnx wraps every leaf of the optax state in a Variable; unwrap them.
         return nnx.as_pure(obj.opt_state)
     return obj

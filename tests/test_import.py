@@ -17,7 +17,10 @@ def test_import_does_not_load_flax_until_linen_or_nnx_is_used():
     out = run(
         "import sys, jmp_policy as jmp\n"
         "print('flax' in sys.modules)\n"
-        "jmp.get_policy('mixed_float16'); jmp.loss_scaling\n"
+        "import jax.numpy as jnp, optax\n"
+        "tx = jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15))\n"
+        "state = tx.init({'w': jnp.ones(2)})\n"
+        "jmp.get_loss_scale(state), jmp.loss_scaling_report(state)\n"
         "print('flax' in sys.modules)\n"
         "print(jmp.linen.mixed_precision.__module__, 'flax' in sys.modules)\n"
     )

@@ -1,0 +1,360 @@
+"""Parameters and optimizer moments in bfloat16, without losing the small updates.
+
+A float32 master copy plus float32 Adam moments cost 12 bytes per parameter. Storing them in
+bfloat16 halves that, but plain round-to-nearest loses every update smaller than half a bfloat16
+step (1.0 + 1e-4 rounds back to 1.0). `low_precision_optimizer` wraps any optax optimizer and
+applies its updates to 16-bit state in one of three ways:
+
+- "stochastic": round up with probability equal to the distance to the lower neighbour, so the
+  rounding is unbiased and small updates survive on average. The PRNG key lives in the state.
+- "kahan": keep what rounding dropped in a bfloat16 compensation buffer and add it back next step.
+- "split": keep the 16 low bits of the float32 master next to the bfloat16 parameter, so the pair
+  is the float32 master exactly: the updates are bit-identical to a float32 optimizer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.typing import DTypeLike
+
+from jmp_policy.transform import find_states
+
+MODES = ("stochastic", "kahan", "split")
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+_STORAGE = (F32, BF16, jnp.dtype(jnp.float16))
+
+
+class LowPrecisionState(NamedTuple):
+    """The state of `low_precision_optimizer`.
+
+    Attributes:
+      inner_state: the wrapped optimizer's state, its moments stored in their 16-bit dtypes.
+      key: the raw PRNG key (uint32[2]) of stochastic rounding; it advances once per applied
+        step, so a step skipped by `loss_scaling` leaves it, like everything else, unchanged.
+      residual: per parameter, what the 16-bit parameter lacks: the bfloat16 Kahan
+        compensation ("kahan"), the int16 low half of the float32 master ("split"), or an
+        empty array ("stochastic", and parameters kept in float32).
+    """
+
+    inner_state: optax.OptState
+    key: jax.Array
+    residual: chex.ArrayTree
+
+
+def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
+    """Rounds float32 `x` to bfloat16, up with probability equal to the fraction dropped.
+
+    Unbiased: `E[stochastic_round(x)] == x` for finite `x` inside bfloat16's range. Adds 16
+    random bits to the float32 bit pattern and truncates; as the pattern orders magnitudes, this
+    rounds the magnitude, and so works for either sign.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jmp_policy.low_precision import stochastic_round
+      >>> x = jnp.full((10000,), 1.0 + 2.0**-10, jnp.float32)  # a quarter of a bfloat16 step
+      >>> y = stochastic_round(x, jax.random.PRNGKey(0))
+      >>> y.dtype, sorted(set(y.tolist())), round(float(y.astype(jnp.float32).mean()), 3)
+      (dtype(bfloat16), [1.0, 1.0078125], 1.001)
+    """
+    bits = lax.bitcast_convert_type(x.astype(F32), jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+    rounded = ((bits + noise) >> 16).astype(jnp.uint16)
+    out = lax.bitcast_convert_type(rounded, jnp.bfloat16)
+    return jnp.where(jnp.isfinite(x), out, x.astype(BF16))  # inf/NaN as round-to-nearest
+
+
+def split_float32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Splits float32 `x` into its bfloat16 rounding and an int16 remainder; see `join_float32`."""
+    bits = lax.bitcast_convert_type(x.astype(F32), jnp.int32)
+    high = (bits + 0x8000) >> 16  # round half up on the bit pattern: nearest, ties away
+    low = bits - (high << 16)  # in [-32768, 32767]
+    high16 = lax.bitcast_convert_type(high.astype(jnp.int16), jnp.bfloat16)
+    return high16, low.astype(jnp.int16)
+
+
+def join_float32(high: jax.Array, low: jax.Array) -> jax.Array:
+    """The float32 that `split_float32` split into `high` (bfloat16) and `low` (int16), exactly.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jmp_policy.low_precision import join_float32, split_float32
+      >>> x = jnp.array([1.0 + 2.0**-20, -3.14159, 1e-30, 6e4], jnp.float32)
+      >>> high, low = split_float32(x)
+      >>> high.dtype, low.dtype, bool(np.array_equal(join_float32(high, low), x))
+      (dtype(bfloat16), dtype('int16'), True)
+    """
+    high_bits = lax.bitcast_convert_type(high, jnp.int16).astype(jnp.int32)
+    return lax.bitcast_convert_type((high_bits << 16) + low.astype(jnp.int32), jnp.float32)
+
+
+def _check_dtypes(moment_dtypes: Any) -> dict[str, np.dtype]:
+    if not isinstance(moment_dtypes, Mapping):
+        raise TypeError(
+            "Expected a mapping {state field name: dtype} for `moment_dtypes`, e.g. "
+            f"{{'mu': 'bfloat16', 'nu': 'bfloat16'}}, got {type(moment_dtypes).__name__}."
+        )
+    out = {}
+    for name, dtype in moment_dtypes.items():
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in _STORAGE:
+            raise TypeError(
+                f"Expected float32, bfloat16 or float16 for `moment_dtypes[{name!r}]`, "
+                f"got {moment_dtypes[name]!r}."
+            )
+        if name == "nu" and dtype == jnp.float16:
+            raise ValueError(
+                "`moment_dtypes['nu']` cannot be float16: Adam's second moment is the squared "
+                "gradient, and squares below 6e-8 flush to zero in float16 (then the update "
+                "divides by eps alone). Use bfloat16, which has float32's range."
+            )
+        out[str(name)] = dtype
+    return out
+
+
+def _field_names(path: tuple) -> list[str]:
+    """The state fields (NamedTuple attributes, as optax states are) on a leaf's path.
+
+    Dict keys are left out: they name parameters (a layer called "mu"), not moments.
+    """
+    return [e.name for e in path if isinstance(e, jax.tree_util.GetAttrKey)]
+
+
+def _is_floating(leaf: Any) -> bool:
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def _moment_dtype(path: tuple, leaf: Any, dtypes: Mapping[str, np.dtype]) -> np.dtype | None:
+    """The storage dtype of an inner-state leaf, or None to leave it as the inner makes it."""
+    if _is_floating(leaf):
+        for name in _field_names(path):
+            if name in dtypes:
+                return dtypes[name]
+    return None
+
+
+def _floating_fields(tree: Any) -> list[str]:
+    return sorted(
+        {
+            name
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+            if _is_floating(leaf)
+            for name in _field_names(path)
+        }
+    )
+
+
+def low_precision_optimizer(
+    inner: optax.GradientTransformation,
+    rounding: Literal["stochastic", "kahan", "split"] = "stochastic",
+    *,
+    moment_dtypes: Mapping[str, DTypeLike] | None = None,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps `inner` so that 16-bit parameters and moments lose none of the small updates.
+
+    Keep the parameters you want in 16 bits as bfloat16 (e.g. `get_policy("params=bfloat16,
+    compute=bfloat16,output=float32").cast_to_param(params)`) and the rest in float32. Each step
+    computes `inner`'s update in float32 against the float32 value of the parameters, then
+    writes the result back to 16 bits by `rounding`. The returned updates are such that
+    `optax.apply_updates` lands exactly on those 16-bit values; float32 parameters get `inner`'s
+    update unchanged.
+
+    Args:
+      inner: the optimizer, e.g. `optax.adamw(1e-3)`.
+      rounding: "stochastic" (unbiased random rounding, 2 bytes a parameter), "kahan" (a
+        bfloat16 compensation buffer, 4 bytes) or "split" (an int16 remainder, 4 bytes, exactly
+        a float32 master).
+      moment_dtypes: `{field name of inner's state: dtype}`, the storage dtype of each moment
+        (e.g. `{"mu": "bfloat16", "nu": "bfloat16"}` for Adam; float16 is refused for "nu",
+        whose squares underflow; a name the state lacks is a `ValueError` at `init`). They are
+        rounded the same way as the parameters with "stochastic", to nearest otherwise.
+        Default: bfloat16 "mu" and "nu" where the state has them with "stochastic" and "kahan";
+        with "split", the inner optimizer's own dtypes (that is what keeps it exact).
+      seed: the seed of stochastic rounding; a run is deterministic for a given seed.
+
+    Returns:
+      An optax transformation; its state is a `LowPrecisionState`. `update` needs `params`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_policy as jmp
+      >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
+      >>> tx = jmp.low_precision_optimizer(optax.sgd(1e-4), "kahan")
+      >>> state = tx.init(params)
+      >>> for _ in range(1000):  # add 1e-4 a thousand times: round-to-nearest stays at 1.0
+      ...     updates, state = tx.update({"w": -jnp.ones(1000)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> params["w"].dtype, round(float(params["w"][0]), 2)
+      (dtype(bfloat16), 1.1)
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            f"Expected an optax.GradientTransformation for `inner`, got {type(inner).__name__}."
+        )
+    if rounding not in MODES:
+        raise ValueError(f"Expected one of {MODES} for `rounding`, got {rounding!r}.")
+    given = moment_dtypes is not None
+    if moment_dtypes is None:
+        moment_dtypes = {} if rounding == "split" else {"mu": BF16, "nu": BF16}
+    dtypes = _check_dtypes(moment_dtypes)
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise TypeError(f"Expected an int for `seed`, got {seed!r}.")
+    inner = optax.with_extra_args_support(inner)
+
+    def check_params(params: Any) -> None:
+        for path, p in jax.tree_util.tree_leaves_with_path(params):
+            dtype = jnp.dtype(getattr(p, "dtype", F32))
+            if jnp.issubdtype(dtype, jnp.floating) and dtype not in (F32, BF16):
+                raise TypeError(
+                    f"low_precision_optimizer keeps parameters in bfloat16 or float32; "
+                    f"{jax.tree_util.keystr(path)} is {dtype.name}. float16's range is too "
+                    "narrow for weights updated in place: cast it to bfloat16."
+                )
+
+    def master(params: Any, residual: Any) -> Any:
+        """The float32 value of the parameters the inner optimizer works on."""
+
+        def one(p, r):
+            if p.dtype != BF16:
+                return p
+            if rounding == "split":
+                return join_float32(p, r)
+            if rounding == "kahan":
+                return p.astype(F32) + r.astype(F32)
+            return p.astype(F32)
+
+        return jax.tree.map(one, params, residual)
+
+    def store_moments(tree: Any, key: jax.Array | None) -> Any:
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        out = []
+        for i, (path, leaf) in enumerate(leaves):
+            dtype = _moment_dtype(path, leaf, dtypes)
+            if dtype is None or dtype == leaf.dtype:
+                out.append(leaf)
+            elif key is not None and dtype == BF16:
+                out.append(stochastic_round(leaf, jax.random.fold_in(key, i)))
+            else:
+                out.append(leaf.astype(dtype))
+        return jax.tree.unflatten(jax.tree.structure(tree), out)
+
+    def load_moments(tree: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: (
+                x.astype(F32) if _moment_dtype(path, x, dtypes) not in (None, F32) else x
+            ),
+            tree,
+        )
+
+    def init_fn(params):
+        check_params(params)
+
+        def residual(p):
+            if p.dtype != BF16 or rounding == "stochastic":
+                return jnp.zeros((0,), BF16)
+            return jnp.zeros(p.shape, BF16 if rounding == "kahan" else jnp.int16)
+
+        residuals = jax.tree.map(residual, params)
+        inner_state = inner.init(master(params, residuals))
+        found = _floating_fields(inner_state)
+        missing = sorted(set(dtypes) - set(found))
+        if missing and given:
+            raise ValueError(
+                f"`moment_dtypes` names {missing}, which the inner optimizer's state does not "
+                f"have; its floating fields are {found}."
+            )
+        return LowPrecisionState(
+            inner_state=store_moments(inner_state, None),
+            key=jax.random.key_data(jax.random.key(seed)),
+            residual=residuals,
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError("low_precision_optimizer needs `params` in `update`.")
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        full = master(params, state.residual)
+        grads = jax.tree.map(
+            lambda g: g.astype(F32) if jnp.issubdtype(g.dtype, jnp.floating) else g, updates
+        )
+        inner_updates, inner_state = inner.update(
+            grads, load_moments(state.inner_state), full, **extra_args
+        )
+        flat_params, treedef = jax.tree.flatten(params)
+        flat_full = treedef.flatten_up_to(full)
+        flat_updates = treedef.flatten_up_to(inner_updates)
+        flat_residual = treedef.flatten_up_to(state.residual)
+        new_updates, new_residual = [], []
+        for i, (p, f, u, r) in enumerate(
+            zip(flat_params, flat_full, flat_updates, flat_residual, strict=True)
+        ):
+            if p.dtype != BF16:
+                new_updates.append(u)
+                new_residual.append(r)
+                continue
+            target = f + u.astype(F32)
+            if rounding == "stochastic":
+                new_p = stochastic_round(target, jax.random.fold_in(step_key, i))
+            elif rounding == "kahan":
+                new_p = target.astype(BF16)
+                r = (target - new_p.astype(F32)).astype(BF16)
+            else:
+                new_p, r = split_float32(target)
+            # apply_updates computes p + u in float32 and casts: exactly new_p.
+            new_updates.append(new_p.astype(F32) - p.astype(F32))
+            new_residual.append(r)
+        moment_key = jax.random.fold_in(step_key, len(flat_params))
+        return jax.tree.unflatten(treedef, new_updates), LowPrecisionState(
+            inner_state=store_moments(
+                inner_state, moment_key if rounding == "stochastic" else None
+            ),
+            key=jax.random.key_data(key),
+            residual=jax.tree.unflatten(treedef, new_residual),
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def master_params(params: chex.ArrayTree, opt_state: Any) -> chex.ArrayTree:
+    """The float32 master value of `params` kept by a `low_precision_optimizer` in `opt_state`.
+
+    `opt_state` may be an optax state (the optimizer may sit inside `optax.chain` or
+    `loss_scaling`), a Flax `TrainState` or an `nnx.Optimizer`.
+
+    "split": exactly the float32 master; "kahan": the parameter plus its compensation;
+    "stochastic": the parameter itself. For evaluation and for float32 checkpoints.
+    """
+    state = _find_state(opt_state)
+
+    def one(r, p):
+        if hasattr(p, "get_value"):
+            p = p.get_value()  # an nnx.Variable holding its array
+        if p.dtype != BF16 or r.size == 0:
+            return p.astype(F32) if jnp.issubdtype(p.dtype, jnp.floating) else p
+        if r.dtype == jnp.int16:
+            return join_float32(p, r)
+        return p.astype(F32) + r.astype(F32)
+
+    # The residuals have the structure of the parameters the optimizer saw, down to arrays.
+    return jax.tree.map(one, state.residual, params)
+
+
+def _find_state(opt_state: Any) -> LowPrecisionState:
+    found = find_states(opt_state, LowPrecisionState)
+    if len(found) != 1:
+        raise ValueError(
+            "Expected exactly one `low_precision_optimizer` state in `opt_state`, found "
+            f"{len(found) or 'none'} in a {type(opt_state).__name__}."
+        )
+    return found[0]

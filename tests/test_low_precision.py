@@ -1,0 +1,198 @@
+"""Tests for jmp_policy.low_precision: bfloat16 parameters and moments that keep small updates."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import jmp_policy as jmp
+from jmp_policy.low_precision import join_float32, split_float32, stochastic_round
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam mixes int32 and float
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+
+
+def run(tx, params, grads_of, steps):
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, i):
+        updates, state = tx.update(grads_of(params, i), state, params)
+        return optax.apply_updates(params, updates), state
+
+    for i in range(steps):
+        params, state = step(params, state, i)
+    return params, state
+
+
+@pytest.mark.parametrize(
+    "rounding, expected, tolerance",
+    [("stochastic", 1.1, 1e-3), ("kahan", 1.1015625, 0.0), ("split", 1.1015625, 0.0)],
+)
+def test_a_thousand_small_updates_survive(rounding, expected, tolerance):
+    """Adding 1e-4 a thousand times to 1.0: round-to-nearest stays at 1.0."""
+    params = {"w": jnp.ones(4096, BF16)}
+    tx = jmp.low_precision_optimizer(optax.sgd(1e-4), rounding)
+    params, state = run(tx, params, lambda p, i: {"w": -jnp.ones(4096)}, 1000)
+    mean = float(params["w"].astype(F32).mean())
+    print(f"\n{rounding}: mean {mean:.6f} (target 1.1)")
+    assert params["w"].dtype == BF16
+    assert abs(mean - expected) <= tolerance
+    if rounding == "split":  # the float32 master is exact: 1 + 1000 float32 additions of 1e-4
+        reference = np.float32(1.0)
+        for _ in range(1000):
+            reference = np.float32(reference + np.float32(1e-4))
+        np.testing.assert_array_equal(jmp.master_params(params, state)["w"], reference)
+    nearest = jnp.ones(4096, BF16)
+    for _ in range(1000):
+        nearest = (nearest.astype(F32) + 1e-4).astype(BF16)
+    assert float(nearest.astype(F32).mean()) == 1.0
+
+
+def test_stochastic_rounding_is_unbiased():
+    """Mean rounding error over 4096 draws against its standard error, per value, both signs."""
+    x = jax.random.uniform(jax.random.key(0), (64,), minval=-3.0, maxval=3.0)
+    draws = jax.vmap(lambda k: stochastic_round(x, k))(
+        jax.random.split(jax.random.key(1), 4096)
+    ).astype(F32)
+    ulp = 2.0 ** (jnp.floor(jnp.log2(jnp.abs(x))) - 7)  # a bfloat16 step at |x|
+    error = draws.mean(axis=0) - x
+    # Each draw is off by less than one step: the mean's standard error is <= ulp / 2 / sqrt(n).
+    z = jnp.abs(error) / (ulp / 2 / np.sqrt(4096))
+    print(f"\nlargest |z| over 64 values: {float(z.max()):.2f}")
+    assert float(z.max()) < 5.0
+    # Only the two neighbours occur, and the nearer one more often.
+    assert float(jnp.max(jnp.abs(draws - x) / ulp)) < 1.0
+    assert len(np.unique(np.asarray(draws[:, 0]))) == 2
+    # Exact values, inf and NaN are left alone.
+    special = jnp.array([1.0, -2.5, jnp.inf, -jnp.inf, 0.0])
+    np.testing.assert_array_equal(stochastic_round(special, jax.random.key(2)), special)
+    assert jnp.isnan(stochastic_round(jnp.array([jnp.nan]), jax.random.key(2)))[0]
+
+
+def test_split_is_bit_identical_to_float32_adamw_over_100_steps():
+    key = jax.random.key(0)
+    start = {"a": jax.random.normal(key, (64, 32)), "b": jnp.zeros(32)}
+    start = jax.tree.map(lambda x: x.astype(BF16), start)
+
+    def grads_of(params, i):
+        return jax.tree.map(
+            lambda p: jax.random.normal(jax.random.fold_in(key, i), p.shape), params
+        )
+
+    reference, _ = run(
+        optax.adamw(1e-3), jax.tree.map(lambda x: x.astype(F32), start), grads_of, 100
+    )
+    tx = jmp.low_precision_optimizer(optax.adamw(1e-3), "split")
+    params, state = run(tx, start, grads_of, 100)
+    master = jmp.master_params(params, state)
+    for got, want in zip(jax.tree.leaves(master), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert {p.dtype for p in jax.tree.leaves(params)} == {BF16}
+    x = jax.random.normal(key, (1000,)) * jnp.logspace(-30, 30, 1000)
+    np.testing.assert_array_equal(join_float32(*split_float32(x)), x)
+
+
+def test_moments_in_bfloat16_and_state_bytes():
+    params = {"w": jnp.zeros((256, 256), BF16)}
+    sizes = {}
+    for rounding in ("stochastic", "kahan", "split"):
+        state = jmp.low_precision_optimizer(optax.adam(1e-3), rounding).init(params)
+        adam = state.inner_state[0]
+        if rounding == "split":
+            assert adam.mu["w"].dtype == F32  # exactness keeps the inner's moments by default
+        else:
+            assert adam.mu["w"].dtype == BF16 and adam.nu["w"].dtype == BF16
+        total = params["w"].nbytes + sum(x.nbytes for x in jax.tree.leaves(state))
+        sizes[rounding] = round(total / params["w"].size, 3)
+    print(f"\nbytes per parameter (parameter + optimizer state): {sizes}; float32 Adam: 12")
+    assert sizes["stochastic"] <= 6.01 and sizes["kahan"] <= 8.01  # targets: 8 and 10
+    assert sizes["split"] <= 12.01  # 2 + 2 remainder + float32 moments
+
+
+def test_deterministic_for_a_seed():
+    params = {"w": jnp.ones(512, BF16)}
+    grads = lambda p, i: {"w": jnp.full(512, 1e-3)}  # noqa: E731
+    a, _ = run(jmp.low_precision_optimizer(optax.adam(1e-3), seed=3), params, grads, 5)
+    b, _ = run(jmp.low_precision_optimizer(optax.adam(1e-3), seed=3), params, grads, 5)
+    c, _ = run(jmp.low_precision_optimizer(optax.adam(1e-3), seed=4), params, grads, 5)
+    np.testing.assert_array_equal(a["w"], b["w"])
+    assert not np.array_equal(np.asarray(a["w"]), np.asarray(c["w"]))
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "split"])
+def test_skipped_step_changes_nothing_bit_for_bit(rounding):
+    params = {"w": jnp.linspace(-1, 1, 300).astype(BF16), "b": jnp.ones(3)}
+    inner = jmp.low_precision_optimizer(optax.adamw(1e-2), rounding)
+    tx = jmp.loss_scaling(inner, jmp.DynamicLossScale(2.0**10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no half-precision master-weights warning
+        state = tx.init(params)
+    step = jax.jit(tx.update)
+    good = {"w": jnp.ones(300), "b": jnp.ones(3)}
+    updates, state = step(good, state, params)
+    params = optax.apply_updates(params, updates)
+    bad = {"w": jnp.ones(300).at[7].set(jnp.inf), "b": jnp.ones(3)}
+    updates, after = step(bad, state, params)
+    assert bool(after.last_step_skipped)
+    assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+    kept = zip(jax.tree.leaves(after.inner_state), jax.tree.leaves(state.inner_state), strict=True)
+    for x, y in kept:
+        np.testing.assert_array_equal(x, y)  # key, residuals and moments included
+
+
+def test_train_state_and_nnx_optimizer():
+    tx = jmp.low_precision_optimizer(optax.adam(1e-2), "kahan")
+    ts = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(4, BF16)}, tx=tx)
+    ts = ts.apply_gradients(grads={"w": jnp.ones(4)})
+    assert ts.params["w"].dtype == BF16 and float(ts.params["w"][0].astype(F32)) < 1.0
+    assert jmp.master_params(ts.params, ts).keys() == {"w"}
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    before = np.asarray(model.kernel[...].astype(F32))
+    grads = nnx.grad(lambda m: m(jnp.ones((1, 4))).astype(F32).sum())(model)
+    optimizer.update(model, grads)
+    assert model.kernel[...].dtype == BF16
+    assert not np.array_equal(before, np.asarray(model.kernel[...].astype(F32)))
+    master = jmp.master_params(nnx.state(model, nnx.Param), optimizer)
+    assert jax.tree.leaves(master)[0].dtype == F32
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(rounding="nearest"), ValueError, "`rounding`"),
+        (dict(moment_dtypes={"mu": "int8"}), TypeError, r"`moment_dtypes\['mu'\]`"),
+        (dict(moment_dtypes={"nu": "float16"}), ValueError, "flush to zero"),
+        (dict(moment_dtypes=["mu"]), TypeError, "mapping"),
+        (dict(seed=1.5), TypeError, "`seed`"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jmp.low_precision_optimizer(optax.adam(1e-3), **kwargs)
+
+
+def test_bad_state_names_and_parameters():
+    with pytest.raises(ValueError, match=r"names \['m'\].*floating fields are \['mu', 'nu'\]"):
+        jmp.low_precision_optimizer(optax.adam(1e-3), moment_dtypes={"m": "bfloat16"}).init(
+            {"w": jnp.ones(2)}
+        )
+    with pytest.raises(TypeError, match=r"\['w'\] is float16"):
+        jmp.low_precision_optimizer(optax.adam(1e-3)).init({"w": jnp.ones(2, jnp.float16)})
+    with pytest.raises(TypeError, match="`inner`"):
+        jmp.low_precision_optimizer("adam")
+
+
+def test_half_master_weights_warning_points_here():
+    with pytest.warns(UserWarning, match="low_precision_optimizer"):
+        jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15)).init(
+            {"w": jnp.ones(2, BF16)}
+        )
