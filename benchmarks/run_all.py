@@ -59,6 +59,12 @@ def main(argv=None):
         print(f"autocast {dtype} ...", flush=True)
         small = ["--dim", "16", "--batch", "2", "--rounds", "1", "--repeats", "1"] if quick else []
         sections.append(quietly(load("bench_autocast").main, ["--dtype", dtype, *small]))
+    print("low-precision parameters and optimizer state ...", flush=True)
+    lp_png = pathlib.Path(args.out).with_name("low_precision.png")
+    lp_text, _ = quietly(
+        load("bench_low_precision").main, ["--plot", str(lp_png)] + (["--quick"] if quick else [])
+    )
+    sections.append(lp_text)
     if jax.default_backend() == "gpu" and not quick:
         print("GPU transformer ...", flush=True)
         sections.append(load("gpu_transformer").main([]))

@@ -103,8 +103,44 @@ def shard_mapped(axis_name):
     return {"skipped": np.asarray(skipped).tolist()}
 
 
+def low_precision_sharded():
+    """bfloat16 parameters sharded over the mesh, stochastic rounding and Kahan: the same bits
+    as on one device, and the shardings kept."""
+    mesh = jax.make_mesh((8,), ("data",))
+    rows = NamedSharding(mesh, P("data", None))
+    out = {}
+    for rounding in ("stochastic", "kahan"):
+        tx = jmp.low_precision_optimizer(optax.adamw(1e-2), rounding)
+        params = {"w": (jax.random.normal(jax.random.key(0), (64, 32)) * 0.1).astype(jnp.bfloat16)}
+
+        @jax.jit
+        def step(params, state, i, tx=tx):
+            grads = {"w": jnp.cos(params["w"].astype(jnp.float32) + i)}
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        results = []
+        for sharding in (rows, None):
+            p = jax.device_put(params, sharding) if sharding is not None else params
+            state = tx.init(p)
+            for i in range(5):
+                p, state = step(p, state, i)
+            results.append(p)
+        out[rounding] = {
+            "equal": bool(np.array_equal(np.asarray(results[0]["w"]), np.asarray(results[1]["w"]))),
+            "sharded": results[0]["w"].sharding.is_equivalent_to(rows, 2),
+            "dtype": str(results[0]["w"].dtype),
+        }
+    return out
+
+
 print(
     json.dumps(
-        {"spmd": spmd(), "with_axis": shard_mapped("data"), "without_axis": shard_mapped(None)}
+        {
+            "spmd": spmd(),
+            "with_axis": shard_mapped("data"),
+            "without_axis": shard_mapped(None),
+            "low_precision": low_precision_sharded(),
+        }
     )
 )

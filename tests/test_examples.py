@@ -85,9 +85,16 @@ def test_run_all_benchmarks_quick(tmp_path):
     text = load("benchmarks/run_all.py").main(["--quick", "--out", str(tmp_path / "B.md")])
     assert (tmp_path / "B.md").read_text() == text
     for heading in ("all_finite", "Train step on every model shape", "Compile time against",
-                    "autocast vs hand-cast", "GPU"):  # fmt: skip
+                    "autocast vs hand-cast", "Low-precision parameters", "GPU"):  # fmt: skip
         assert f"## {heading}" in text
     assert (tmp_path / "compile_vs_leaves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "low_precision.png").read_bytes()[:4] == b"\x89PNG"
+    low = [line.split(" | ") for line in text.splitlines() if "(examples/" in line]
+    # Bytes per parameter come from XLA's buffer sizes: deterministic, so asserted.
+    by_variant = {row[1]: float(row[2]) for row in low}
+    print(f"bytes per parameter: {by_variant}")
+    assert by_variant["stochastic rounding"] <= 8 and by_variant["Kahan"] <= 10
+    assert by_variant["float32 master"] > 11
     rows = [line.split(" | ") for line in text.splitlines() if line.count(" | ") == 8]
     shapes_seen = {row[0].lstrip("| ") for row in rows} - {"shape"}
     assert shapes_seen == {

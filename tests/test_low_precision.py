@@ -196,3 +196,35 @@ def test_half_master_weights_warning_points_here():
         jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15)).init(
             {"w": jnp.ones(2, BF16)}
         )
+
+
+def test_with_a_bfloat16_param_policy_and_a_linen_model():
+    """`params=bfloat16` end to end: no master-weights warning, LayerNorm still in float32."""
+    from models import Classifier
+
+    policy = jmp.get_policy("params=bfloat16,compute=bfloat16,output=float32")
+    model = jmp.linen.mixed_precision(Classifier(), policy)
+    x = jax.random.normal(jax.random.key(0), (8, 5, 16))
+    y = jnp.arange(8) % 4
+    params = policy.cast_to_param(model.init(jax.random.key(1), x)["params"])
+    tx = jmp.loss_scaling(jmp.low_precision_optimizer(optax.adamw(3e-3)), jmp.NoOpLossScale())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        loss, grads = jax.value_and_grad(
+            lambda p: optax.softmax_cross_entropy_with_integer_labels(
+                model.apply({"params": p}, x), y
+            ).mean()
+        )(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    losses = []
+    for _ in range(30):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert {p.dtype for p in jax.tree.leaves(params)} == {BF16}
+    assert losses[-1] < 0.5 * losses[0], losses

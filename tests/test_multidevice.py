@@ -42,3 +42,8 @@ def test_shard_map_axis_name_agrees(results):
     # Row 37 of 64 is in device 4's shard of 8 rows.
     assert results["with_axis"]["skipped"] == [True] * 8
     assert results["without_axis"]["skipped"] == [i == 4 for i in range(8)]
+
+
+def test_low_precision_optimizer_sharded_matches_one_device(results):
+    for rounding, got in results["low_precision"].items():
+        assert got == {"equal": True, "sharded": True, "dtype": "bfloat16"}, rounding
