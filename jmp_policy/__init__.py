@@ -34,8 +34,10 @@ What is here, by topic:
 - autocast: `autocast(fn, policy)` (matmuls and convs in half precision; exp, log, sums,
   decompositions and FFTs in float32), `full_precision(fn)`, `AUTOCAST_ALLOW`, `AUTOCAST_DENY`,
   `AUTOCAST_NO_HALF_KERNEL`, `precision_report` (operations by dtype, FLOPs, casts).
-- Diagnostics: `loss_scaling_report` (the scale, skips, which gradients held inf/NaN),
-  `check_loss_scaling`, `NonFiniteLossError`.
+- Diagnostics: `loss_scaling_report` (the scale, skips, which gradients held inf/NaN, and
+  gradient statistics with `loss_scaling(..., stats_every=N)`), `check_loss_scaling`,
+  `NonFiniteLossError`; `debug_precision` (per-layer statistics in a target dtype, the first
+  inf/NaN, advice), `PrecisionDebugReport`.
 
 The guides and the API reference are in the repository's docs/ folder (`mkdocs serve`).
 """
@@ -48,6 +50,7 @@ from jmp_policy.autocast import DENY as AUTOCAST_DENY
 from jmp_policy.autocast import NO_HALF_KERNEL as AUTOCAST_NO_HALF_KERNEL
 from jmp_policy.autocast import autocast, full_precision
 from jmp_policy.census import PrecisionReport, precision_report
+from jmp_policy.debugger import PrecisionDebugReport, debug_precision
 from jmp_policy.diagnostics import (
     LossScalingReport,
     NonFiniteLossError,
@@ -109,6 +112,7 @@ __all__ = (
     "NoOpLossScale",
     "NonFiniteLossError",
     "Policy",
+    "PrecisionDebugReport",
     "PrecisionReport",
     "StaticLossScale",
     "all_finite",
@@ -116,6 +120,7 @@ __all__ = (
     "cast_to_full",
     "cast_to_half",
     "check_loss_scaling",
+    "debug_precision",
     "find_loss_scaling_state",
     "full_precision",
     "get_loss_scale",

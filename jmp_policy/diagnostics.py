@@ -7,7 +7,11 @@ call them every N steps, e.g. when you log), never inside a jitted step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+import jax
+import numpy as np
 
 from jmp_policy.loss_scale import DynamicLossScale
 from jmp_policy.transform import find_loss_scaling_state, host_value
@@ -32,6 +36,11 @@ class LossScalingReport:
       nonfinite_paths: the parameter paths whose gradients held inf/NaN in the
         latest skipped step. `str()` names them only while the latest step was
         a skipped one, so a log line does not repeat an old overflow.
+      gradient_stats: with `loss_scaling(..., stats_every=N)`, the latest collected
+        statistics of the scaled gradients, `{path: {"amax", "min_nonzero",
+        "underflow", "overflow", "headroom"}}` (headroom: doublings of the loss scale
+        left before that leaf overflows); None when not collected (yet).
+      stats_step: the step they were collected at (None when not collected).
     """
 
     loss_scale: float
@@ -41,6 +50,8 @@ class LossScalingReport:
     last_step_skipped: bool
     at_floor: bool
     nonfinite_paths: tuple[str, ...]
+    gradient_stats: dict[str, dict[str, float]] | None = None
+    stats_step: int | None = None
 
     def __str__(self) -> str:
         text = (
@@ -51,6 +62,15 @@ class LossScalingReport:
             shown = ", ".join(self.nonfinite_paths[:5])
             more = len(self.nonfinite_paths) - 5
             text += f"; last non-finite gradients in {shown}" + (f" (+{more})" if more > 0 else "")
+        if self.gradient_stats:
+            stats = self.gradient_stats
+            tight = min(stats, key=lambda p: stats[p]["headroom"])
+            lost = max(stats, key=lambda p: stats[p]["underflow"])
+            text += (
+                f"; gradients at step {self.stats_step}: headroom "
+                f"{stats[tight]['headroom']:g} doublings (least at {tight}), underflow "
+                f"{100 * stats[lost]['underflow']:.1f}% (most at {lost})"
+            )
         return text
 
 
@@ -80,6 +100,7 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
     scale_value = float(host_value(scale.loss_scale))
     at_floor = isinstance(scale, DynamicLossScale) and scale_value <= scale.floor
     paths = state.nonfinite_leaves.paths()
+    gradient_stats, stats_step = _read_stats(state)
     return LossScalingReport(
         loss_scale=scale_value,
         applied_steps=int(host_value(state.applied_steps)),
@@ -88,7 +109,29 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
         last_step_skipped=bool(host_value(state.last_step_skipped)),
         at_floor=bool(at_floor),
         nonfinite_paths=paths,
+        gradient_stats=gradient_stats,
+        stats_step=stats_step,
     )
+
+
+def _read_stats(state: Any) -> tuple[dict[str, dict[str, float]] | None, int | None]:
+    stats = state.gradient_stats
+    if stats is None or int(host_value(stats.step)) < 0:
+        return None, None
+    treedef = state.nonfinite_leaves.treedef
+    numbered = jax.tree.unflatten(treedef, range(treedef.num_leaves))
+    columns = {
+        name: np.asarray(host_value(getattr(stats, name)), np.float64)
+        for name in ("amax", "min_nonzero", "underflow", "overflow")
+    }
+    largest = float(host_value(stats.largest))
+    out = {}
+    for path, i in jax.tree_util.tree_leaves_with_path(numbered):
+        row = {name: float(column[i]) for name, column in columns.items()}
+        amax = row["amax"]
+        row["headroom"] = float(math.floor(math.log2(largest / amax))) if amax > 0 else math.inf
+        out[jax.tree_util.keystr(path)] = row
+    return out, int(host_value(stats.step))
 
 
 def check_loss_scaling(opt_state: Any, max_nonfinite_run: int = 20) -> LossScalingReport:

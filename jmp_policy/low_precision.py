@@ -172,9 +172,9 @@ def low_precision_optimizer(
 
     Args:
       inner: the optimizer, e.g. `optax.adamw(1e-3)`.
-      rounding: "stochastic" (unbiased random rounding, 2 bytes a parameter), "kahan" (a
-        bfloat16 compensation buffer, 4 bytes) or "split" (an int16 remainder, 4 bytes, exactly
-        a float32 master).
+      rounding: "stochastic" (unbiased random rounding: the bfloat16 parameter alone), "kahan"
+        (plus a bfloat16 compensation buffer: 4 bytes a parameter) or "split" (plus an int16
+        remainder: 4 bytes, exactly a float32 master). Moments come on top.
       moment_dtypes: `{field name of inner's state: dtype}`, the storage dtype of each moment
         (e.g. `{"mu": "bfloat16", "nu": "bfloat16"}` for Adam; float16 is refused for "nu",
         whose squares underflow; a name the state lacks is a `ValueError` at `init`). They are

@@ -20,7 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.typing import DTypeLike
 
+from jmp_policy._validation import whole_number
+from jmp_policy.debugger import GradientStats, empty_gradient_stats, gradient_stats
 from jmp_policy.finite import unscaled_finite
 from jmp_policy.loss_scale import (
     DynamicLossScale,
@@ -100,6 +103,8 @@ class LossScalingState(NamedTuple):
         computed only on skipped steps, so its cost does not grow with the
         number of leaves on the steps that are applied. Read it with
         `nonfinite_leaves.paths()`, `.tree()`, or `jmp_policy.loss_scaling_report`.
+      gradient_stats: with `loss_scaling(..., stats_every=N)`, the `GradientStats` of the
+        scaled gradients, collected every N steps; None otherwise.
     """
 
     loss_scale: LossScale
@@ -109,6 +114,7 @@ class LossScalingState(NamedTuple):
     nonfinite_run: jax.Array  # shape=(), dtype=jnp.int32
     last_step_skipped: jax.Array  # shape=(), dtype=jnp.bool_
     nonfinite_leaves: LeafFlags  # one bool per parameter leaf, packed
+    gradient_stats: GradientStats | None = None
 
 
 def _half_leaves(tree: Any) -> list[str]:
@@ -154,6 +160,8 @@ def loss_scaling(
     loss_scale: LossScale,
     *,
     axis_name: Hashable | None = None,
+    stats_every: int | None = None,
+    stats_dtype: DTypeLike = "float16",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` so it consumes gradients of a loss scaled by `loss_scale`.
 
@@ -186,6 +194,13 @@ def loss_scaling(
         `DynamicLossScale`.
       axis_name: a mapped axis name (or tuple) of `pmap`/`shard_map`, so every
         device takes the same skip decision. Not needed under SPMD `jit`.
+      stats_every: opt-in precision statistics: every `stats_every` steps, record
+        per gradient leaf the largest and smallest magnitudes and the fractions
+        that underflow or overflow `stats_dtype` (`GradientStats`, in the state;
+        `loss_scaling_report` reads them). Collected inside the step, under a
+        `cond`, so there is no host sync and other steps do no extra work. None
+        (the default): nothing is collected and the step is unchanged.
+      stats_dtype: the dtype the scaled gradients are judged against.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -222,6 +237,16 @@ def loss_scaling(
             "Expected NoOpLossScale, StaticLossScale or DynamicLossScale for `loss_scale`, "
             f"got {type(loss_scale).__name__}."
         )
+    if stats_every is not None:
+        stats_every = whole_number(stats_every, "stats_every", low=1)
+    try:
+        judged_in = jnp.dtype(stats_dtype)
+    except TypeError:
+        judged_in = None
+    if judged_in is None or not jnp.issubdtype(judged_in, jnp.floating):
+        raise TypeError(
+            f"Expected a floating dtype such as 'float16' for `stats_dtype`, got {stats_dtype!r}."
+        )
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
@@ -237,6 +262,11 @@ def loss_scaling(
             last_step_skipped=jnp.zeros((), jnp.bool_),
             nonfinite_leaves=LeafFlags(
                 jnp.zeros(len(jax.tree.leaves(params)), jnp.bool_), jax.tree.structure(params)
+            ),
+            gradient_stats=(
+                None
+                if stats_every is None
+                else empty_gradient_stats(len(jax.tree.leaves(params)), judged_in)
             ),
         )
 
@@ -257,6 +287,14 @@ def loss_scaling(
             finite, apply, updates, state.inner_state, in_a_loop=large
         )
         skipped = ~finite
+        stats = state.gradient_stats
+        if stats_every is not None and stats is not None:
+            step = state.applied_steps + state.skipped_steps
+            stats = lax.cond(
+                step % stats_every == 0,
+                lambda: gradient_stats(updates, judged_in, step),
+                lambda: stats,
+            )
         new_state = LossScalingState(
             loss_scale=loss_scale.adjust(finite),
             inner_state=inner_state,
@@ -269,6 +307,7 @@ def loss_scaling(
             nonfinite_run=jnp.where(skipped, optax.safe_int32_increment(state.nonfinite_run), 0),
             last_step_skipped=skipped,
             nonfinite_leaves=dataclasses.replace(old_flags, flags=flags),
+            gradient_stats=stats,
         )
         return new_updates, new_state
 

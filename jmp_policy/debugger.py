@@ -1,0 +1,483 @@
+"""A precision debugger: per-layer statistics of a loss's forward and backward pass.
+
+`debug_precision(loss_fn, *args)` traces `jax.value_and_grad(loss_fn)` and runs it one operation
+at a time (eagerly, on the host's default device: a debugging tool, not a train step). For every
+module path (the Flax name stack; "(top level)" outside any module) and direction (forward:
+activations, backward: gradients) it records how close the values come to the edges of a target
+dtype at a given loss scale, and it names the first operation that made an inf or NaN out of
+finite inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.typing import DTypeLike
+
+_CALLS = {
+    "pjit",
+    "jit",
+    "closed_call",
+    "core_call",
+    "remat",
+    "checkpoint",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+}
+_LIBRARY_DIRS = ("/jax/", "/jaxlib/", "/flax/", "/optax/", "/jmp_policy/", "/chex/")
+TOP_LEVEL = "(top level)"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    """How the values of one layer and direction sit in the target dtype.
+
+    Attributes:
+      layer: the module path ("Classifier/Dense_0"), or "(top level)".
+      direction: "forward" (activations) or "backward" (gradients).
+      count: how many floating values the layer's operations produced.
+      amax: the largest finite magnitude (0.0 when there is none).
+      min_nonzero: the smallest nonzero finite magnitude (inf when there is none).
+      dynamic_range: log2(amax / min_nonzero), in binades (0 when undefined).
+      underflow: the fraction of nonzero values that become zero or subnormal in the target
+        dtype (after the loss scale, for gradients).
+      overflow: the fraction of finite values that exceed the target dtype's largest value.
+      headroom: how many doublings of the loss scale are left before the largest value
+        overflows (negative: it already does); forward values are not scaled, so for them it
+        is the margin of the activations.
+      nonfinite: the fraction of values that are inf or NaN.
+    """
+
+    layer: str
+    direction: str
+    count: int
+    amax: float
+    min_nonzero: float
+    dynamic_range: float
+    underflow: float
+    overflow: float
+    headroom: float
+    nonfinite: float
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteOrigin:
+    """Where the first inf/NaN was made from finite inputs.
+
+    Attributes:
+      primitive: the operation, e.g. "log".
+      layer: its module path.
+      direction: "forward" or "backward".
+      source: "file:line" of the user code that traced it.
+      passed_on: how many later operations only passed a non-finite value on.
+    """
+
+    primitive: str
+    layer: str
+    direction: str
+    source: str
+    passed_on: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionDebugReport:
+    """What `debug_precision` found. `print(report)` shows the table.
+
+    Attributes:
+      dtype: the target dtype's name.
+      loss_scale: the loss scale the gradients were judged at.
+      layers: one `LayerStats` per layer and direction, in the order first seen.
+      origin: the first operation that made an inf/NaN from finite inputs, or None.
+      nonfinite_inputs: argument paths that already held inf/NaN (passed through from the input).
+      loss: the loss value.
+    """
+
+    dtype: str
+    loss_scale: float
+    layers: tuple[LayerStats, ...]
+    origin: NonFiniteOrigin | None
+    nonfinite_inputs: tuple[str, ...]
+    loss: float
+
+    def __str__(self) -> str:
+        lines = [
+            f"precision of the loss's values in {self.dtype}, gradients at loss scale "
+            f"{self.loss_scale:g} (loss {self.loss:.6g})",
+            "",
+            f"{'layer':<44}{'dir':<5}{'amax':>10}{'min>0':>10}{'range':>7}"
+            f"{'under%':>8}{'over%':>7}{'headroom':>9}{'nan/inf%':>9}",
+        ]
+        for s in self.layers:
+            lines.append(
+                f"{s.layer[-43:]:<44}{s.direction[:3]:<5}{s.amax:>10.3g}{s.min_nonzero:>10.3g}"
+                f"{s.dynamic_range:>7.1f}{100 * s.underflow:>8.2f}{100 * s.overflow:>7.2f}"
+                f"{s.headroom:>9.1f}{100 * s.nonfinite:>9.1f}"
+            )
+        lines.append("")
+        if self.origin is not None:
+            o = self.origin
+            lines.append(
+                f"first inf/NaN: {o.primitive} in {o.layer} ({o.direction}) at {o.source}; "
+                f"{o.passed_on} later operations only passed it on"
+            )
+        elif self.nonfinite_inputs:
+            lines.append(
+                "inf/NaN passed through from the input: " + ", ".join(self.nonfinite_inputs)
+            )
+        else:
+            lines.append("no inf/NaN")
+        advice = self.advice()
+        lines.append(f"advice: overrides {advice['overrides']}, loss scale {advice['loss_scale']}")
+        return "\n".join(lines)
+
+    def advice(self) -> dict[str, Any]:
+        """Overrides and a loss-scale range, from the statistics.
+
+        Returns:
+          `{"overrides": {module path: "float32"}, "loss_scale": {...}}`. A layer whose
+          activations overflow the target dtype (or hold more than 1% underflow) goes to
+          float32; paste the dict into `linen.mixed_precision(..., overrides=...)` with the
+          values as `get_policy(...)`. The loss scale: `initial`, the largest power of two that
+          keeps one doubling of headroom on every gradient, and `hysteresis` 2 when the
+          gradients span more binades than the target dtype can hold (some will underflow at
+          any scale, so single overflows should not halve it).
+        """
+        overrides = {}
+        for s in self.layers:
+            if s.direction != "forward" or s.layer == TOP_LEVEL:
+                continue
+            if s.overflow > 0 or s.underflow > 0.01:
+                overrides[_module_path(s.layer)] = "float32"
+        backward = [s for s in self.layers if s.direction == "backward" and s.amax > 0]
+        finfo = jnp.finfo(self.dtype)
+        if backward:
+            amax = max(s.amax for s in backward)  # gradients of the unscaled loss
+            initial = 2.0 ** math.floor(math.log2(float(finfo.max) / 2 / amax))
+            span = max(s.dynamic_range for s in backward)
+            target_span = math.log2(float(finfo.max) / float(finfo.smallest_normal))
+            scale = {"initial": initial, "hysteresis": 2 if span > target_span - 1 else 1}
+        else:
+            scale = {"initial": 1.0, "hysteresis": 1}
+        return {"overrides": overrides, "loss_scale": scale}
+
+    def plot(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Writes a heat map (layers x statistics) to `path` (a PNG); needs matplotlib."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        columns = ("underflow %", "overflow %", "non-finite %", "headroom", "range")
+        rows = [
+            [
+                100 * s.underflow,
+                100 * s.overflow,
+                100 * s.nonfinite,
+                s.headroom,
+                s.dynamic_range,
+            ]
+            for s in self.layers
+        ]
+        data = np.asarray(rows, np.float64).reshape(len(rows), len(columns))
+        shown = data / np.maximum(np.abs(data).max(axis=0, keepdims=True), 1e-12)
+        fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.5))
+        ax.imshow(shown, aspect="auto", cmap="magma")
+        ax.set_xticks(range(len(columns)), columns)
+        ax.set_yticks(
+            range(len(rows)), [f"{s.layer[-40:]} ({s.direction[:3]})" for s in self.layers]
+        )
+        for (i, j), value in np.ndenumerate(data):
+            ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize=7, color="grey")
+        ax.set_title(f"{self.dtype}, gradients at loss scale {self.loss_scale:g}")
+        fig.tight_layout()
+        path = pathlib.Path(path)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+def _module_path(layer: str) -> str:
+    """A name-stack layer as an overrides path: without the root module's own name."""
+    parts = layer.split("/")
+    return "/".join(parts[1:]) if len(parts) > 1 else layer
+
+
+_WRAPPERS = re.compile(r"^(transpose\()?(jvp\()?")
+
+
+def _layer_and_direction(name_stack: str) -> tuple[str, str]:
+    backward = "transpose(" in name_stack
+    parts = []
+    for part in name_stack.split("/"):
+        part = _WRAPPERS.sub("", part).rstrip(")")
+        # Keep module names (Flax's); drop einsum specs and op names XLA added.
+        if part and re.fullmatch(r"[A-Za-z_][\w.\-]*", part):
+            parts.append(part)
+    return ("/".join(parts) or TOP_LEVEL), ("backward" if backward else "forward")
+
+
+def _source(eqn: Any) -> str:
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return "(unknown)"
+    for frame in tb.frames:
+        name = frame.file_name.replace("\\", "/")
+        if not any(d in name for d in _LIBRARY_DIRS) and "/python3." not in name:
+            return f"{frame.file_name}:{frame.line_num}"
+    return "(library code)"
+
+
+class _Accumulator:
+    def __init__(self, dtype: np.dtype, loss_scale: float):
+        finfo = jnp.finfo(dtype)
+        self.max, self.tiny = float(finfo.max), float(finfo.smallest_normal)
+        self.loss_scale = loss_scale
+        self.stats: dict[tuple[str, str], list] = {}
+
+    def add(self, key: tuple[str, str], value: np.ndarray) -> None:
+        x = np.abs(np.asarray(value, np.float64)).ravel()
+        finite = np.isfinite(x)
+        xf = x[finite]
+        nonzero = xf[xf > 0]
+        scaled = nonzero * (self.loss_scale if key[1] == "backward" else 1.0)
+        s = self.stats.setdefault(key, [0, 0.0, math.inf, 0, 0, 0, 0])
+        s[0] += x.size
+        s[1] = max(s[1], float(xf.max()) if xf.size else 0.0)
+        s[2] = min(s[2], float(nonzero.min()) if nonzero.size else math.inf)
+        s[3] += int((scaled < self.tiny).sum())
+        s[4] += int((scaled > self.max).sum())
+        s[5] += int(nonzero.size)
+        s[6] += int((~finite).sum())
+
+    def layers(self) -> tuple[LayerStats, ...]:
+        out = []
+        for (layer, direction), (count, amax, low, under, over, nonzero, bad) in self.stats.items():
+            scale = self.loss_scale if direction == "backward" else 1.0
+            headroom = math.log2(self.max / (amax * scale)) if amax > 0 else math.inf
+            finite_count = count - bad
+            out.append(
+                LayerStats(
+                    layer=layer,
+                    direction=direction,
+                    count=count,
+                    amax=amax,
+                    min_nonzero=low,
+                    dynamic_range=math.log2(amax / low) if amax > 0 and low < math.inf else 0.0,
+                    underflow=under / nonzero if nonzero else 0.0,
+                    overflow=over / finite_count if finite_count else 0.0,
+                    headroom=math.floor(headroom) if math.isfinite(headroom) else headroom,
+                    nonfinite=bad / count if count else 0.0,
+                )
+            )
+        return tuple(out)
+
+
+def _is_float(value: Any) -> bool:
+    return hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
+
+
+def _all_finite(values: Sequence[Any]) -> bool:
+    return all(bool(np.isfinite(np.asarray(v, np.float64)).all()) for v in values if _is_float(v))
+
+
+class _Interpreter:
+    def __init__(self, acc: _Accumulator):
+        self.acc = acc
+        self.origin: NonFiniteOrigin | None = None
+        self.passed_on = 0
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], stack: str) -> list:
+        env: dict = {}
+
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return v.val
+            return env[v]
+
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = value
+        for var, value in zip(jaxpr.invars, args, strict=True):
+            env[var] = value
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            here = "/".join(p for p in (stack, str(eqn.source_info.name_stack)) if p)
+            sub = None
+            if eqn.primitive.name in _CALLS:
+                sub = next(
+                    (
+                        eqn.params[k]
+                        for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+                        if k in eqn.params
+                    ),
+                    None,
+                )
+            if sub is not None:
+                closed = sub if hasattr(sub, "consts") else None
+                inner = closed.jaxpr if closed is not None else sub
+                consts_ = list(closed.consts) if closed is not None else []
+                outs = self.run(inner, consts_, invals[: len(inner.invars)], here)
+            else:
+                params = eqn.primitive.get_bind_params(eqn.params)
+                outs = eqn.primitive.bind(*invals, **params)
+                outs = list(outs) if eqn.primitive.multiple_results else [outs]
+                self._record(eqn, here, invals, outs)
+            for var, value in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = value
+        return [read(v) for v in jaxpr.outvars]
+
+    def _record(self, eqn: Any, stack: str, invals: list, outs: list) -> None:
+        key = _layer_and_direction(stack)
+        floats = [o for o in outs if _is_float(o)]
+        for value in floats:
+            self.acc.add(key, value)
+        if not floats or _all_finite(floats):
+            return
+        if _all_finite(invals):
+            if self.origin is None:
+                self.origin = NonFiniteOrigin(eqn.primitive.name, key[0], key[1], _source(eqn), 0)
+        else:
+            self.passed_on += 1
+
+
+def debug_precision(
+    loss_fn: Callable[..., Any],
+    *args: Any,
+    dtype: DTypeLike = "float16",
+    loss_scale: float = 1.0,
+    argnums: int | Sequence[int] = 0,
+) -> PrecisionDebugReport:
+    """Per-layer statistics of `loss_fn(*args)`'s forward and backward pass in a target dtype.
+
+    Traces `jax.value_and_grad(loss_fn, argnums)` and runs it one operation at a time, so it
+    sees every intermediate value (nothing is jitted; use small example inputs).
+
+    Args:
+      loss_fn: a scalar loss, e.g. `lambda p, x, y: loss(model.apply({"params": p}, x), y)`; it
+        may already run under a policy or `autocast`.
+      *args: its example arguments.
+      dtype: the dtype the values are judged against: "float16", "bfloat16",
+        "float8_e4m3fn" or "float8_e5m2".
+      loss_scale: the loss scale the gradients are judged at (forward values are not scaled).
+      argnums: which arguments the gradients are taken of.
+
+    Returns:
+      A `PrecisionDebugReport`: `print` it, `.advice()`, `.plot(path)`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> # exp(12) = 162755 does not fit in float16 (largest 65504): 3 doublings too many.
+      >>> report = jmp.debug_precision(lambda w, x: jnp.sum(jnp.exp(x * w)), 12.0, jnp.ones(3))
+      >>> [(s.direction, round(s.amax), s.headroom) for s in report.layers]
+      [('forward', 488264, -3), ('backward', 488264, -3)]
+      >>> report.advice()["loss_scale"]
+      {'initial': 0.0625, 'hysteresis': 1}
+    """
+    try:
+        target = jnp.dtype(dtype)
+    except TypeError:
+        target = None
+    allowed = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32")
+    if target is None or target.name not in allowed:
+        raise TypeError(f"Expected one of {allowed} for `dtype`, got {dtype!r}.")
+    if not (isinstance(loss_scale, (int, float)) and loss_scale > 0 and math.isfinite(loss_scale)):
+        raise ValueError(f"Expected a positive finite number for `loss_scale`, got {loss_scale!r}.")
+    leaves = jax.tree_util.tree_leaves_with_path(args)
+    bad_inputs = tuple(
+        f"args{jax.tree_util.keystr(path)}"
+        for path, leaf in leaves
+        if _is_float(jnp.asarray(leaf)) and not _all_finite([jnp.asarray(leaf)])
+    )
+    closed = jax.make_jaxpr(jax.value_and_grad(loss_fn, argnums))(*args)
+    acc = _Accumulator(target, float(loss_scale))
+    interpreter = _Interpreter(acc)
+    flat = jax.tree.leaves(args)
+    outs = interpreter.run(closed.jaxpr, closed.consts, flat, "")
+    origin = interpreter.origin
+    if origin is not None:
+        origin = dataclasses.replace(origin, passed_on=interpreter.passed_on)
+    return PrecisionDebugReport(
+        dtype=target.name,
+        loss_scale=float(loss_scale),
+        layers=acc.layers(),
+        origin=origin,
+        nonfinite_inputs=bad_inputs,
+        loss=float(np.asarray(outs[0])),
+    )
+
+
+class GradientStats(NamedTuple):
+    """Per-leaf statistics of the scaled gradients, collected inside a jitted step.
+
+    Made by `loss_scaling(..., stats_every=N)` every N steps (the others keep the last ones),
+    without a host sync; `loss_scaling_report` reads them. One float32 vector per statistic,
+    one entry per gradient leaf, in `jax.tree.leaves` order.
+
+    Attributes:
+      step: the step (applied plus skipped, counted from 0) they were collected at; -1 before.
+      amax: the largest finite magnitude.
+      min_nonzero: the smallest nonzero finite magnitude (inf if none).
+      underflow: the fraction of nonzero values below the target dtype's smallest normal.
+      overflow: the fraction of finite values above the target dtype's largest value.
+      largest: the target dtype's largest value (a scalar), to read the headroom:
+        `log2(largest / amax)` doublings of the loss scale are left.
+    """
+
+    step: jax.Array
+    amax: jax.Array
+    min_nonzero: jax.Array
+    underflow: jax.Array
+    overflow: jax.Array
+    largest: jax.Array
+
+
+def empty_gradient_stats(leaves: int, dtype: DTypeLike) -> GradientStats:
+    """The `GradientStats` before any collection (step -1); every field its own buffer, so the
+    state can be donated."""
+    return GradientStats(
+        step=jnp.full((), -1, jnp.int32),
+        amax=jnp.zeros((leaves,), jnp.float32),
+        min_nonzero=jnp.full((leaves,), jnp.inf, jnp.float32),
+        underflow=jnp.zeros((leaves,), jnp.float32),
+        overflow=jnp.zeros((leaves,), jnp.float32),
+        largest=jnp.asarray(float(jnp.finfo(dtype).max), jnp.float32),
+    )
+
+
+def gradient_stats(grads: Any, dtype: DTypeLike, step: jax.Array) -> GradientStats:
+    """`GradientStats` of the gradient pytree `grads` against `dtype` (pure; runs under `jit`)."""
+    finfo = jnp.finfo(dtype)
+    tiny, largest = float(finfo.smallest_normal), float(finfo.max)
+    columns: list[list[jax.Array]] = [[], [], [], []]
+    for leaf in jax.tree.leaves(grads):
+        x = jnp.abs(jnp.asarray(leaf, jnp.float32)).ravel()
+        finite = jnp.isfinite(x)
+        nonzero = finite & (x > 0)
+        count_nonzero = jnp.maximum(nonzero.sum(), 1).astype(jnp.float32)
+        count_finite = jnp.maximum(finite.sum(), 1).astype(jnp.float32)
+        columns[0].append(jnp.max(jnp.where(finite, x, 0.0), initial=0.0))
+        columns[1].append(jnp.min(jnp.where(nonzero, x, jnp.inf), initial=jnp.inf))
+        columns[2].append((nonzero & (x < tiny)).sum(dtype=jnp.float32) / count_nonzero)
+        columns[3].append((finite & (x > largest)).sum(dtype=jnp.float32) / count_finite)
+    amax, min_nonzero, underflow, overflow = (
+        jnp.stack(c).astype(jnp.float32) if c else jnp.zeros((0,), jnp.float32) for c in columns
+    )
+    return GradientStats(
+        step=jnp.asarray(step, jnp.int32),
+        amax=amax,
+        min_nonzero=min_nonzero,
+        underflow=underflow,
+        overflow=overflow,
+        largest=jnp.asarray(largest, jnp.float32),
+    )

@@ -1,0 +1,204 @@
+"""Tests for jmp_policy.debugger: planted faults must be named, statistics must match NumPy."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_policy as jmp
+
+
+class Loud(nn.Module):
+    """Its activations reach 1e5 inside (float16's largest is 65504), and come back down."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8)(x) * 1e5 * 1e-5
+
+
+class Quiet(nn.Module):
+    """Its kernel's gradients are 1e-6 of the others': below float16's range at scale 1."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x + 1e-6 * nn.Dense(8)(x)
+
+
+class LogZero(nn.Module):
+    """log(0) = -inf, times 0: a NaN made here from finite inputs."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x + 0.0 * jnp.log(jnp.zeros_like(x))
+
+
+class Planted(nn.Module):
+    fault: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, name="embed")(x)
+        if self.fault == "overflow":
+            h = Loud(name="loud")(h)
+        if self.fault == "underflow":
+            h = Quiet(name="quiet")(h)
+        if self.fault == "log0":
+            h = LogZero(name="logzero")(h)
+        return nn.Dense(2, name="head")(nn.relu(h))
+
+
+X = jax.random.normal(jax.random.key(0), (16, 4))
+Y = jnp.arange(16) % 2
+
+
+def report_for(fault, x=X, **kwargs):
+    model = Planted(fault)
+    params = model.init(jax.random.key(1), X)["params"]
+
+    def loss(params, x):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
+
+    report = jmp.debug_precision(loss, params, x, **kwargs)
+    print(f"\n{fault}:\n{report}")
+    return report
+
+
+def by_layer(report):
+    return {(s.layer, s.direction): s for s in report.layers}
+
+
+def test_activation_overflow_is_named_and_sent_to_float32():
+    report = report_for("overflow")
+    stats = by_layer(report)
+    assert stats[("Planted/loud", "forward")].overflow > 0
+    assert stats[("Planted/loud", "forward")].headroom < 0
+    others = [s for (layer, d), s in stats.items() if d == "forward" and layer != "Planted/loud"]
+    assert others and all(s.overflow == 0 for s in others)
+    assert report.advice()["overrides"] == {"loud": "float32"}
+    assert report.origin is None and not report.nonfinite_inputs
+
+
+def test_gradient_underflow_at_scale_one_is_named_and_a_scale_proposed():
+    report = report_for("underflow")
+    quiet = by_layer(report)[("Planted/quiet", "backward")]
+    head = by_layer(report)[("Planted/head", "backward")]
+    assert quiet.underflow > 0.3 and head.underflow < 0.1
+    advice = report.advice()["loss_scale"]
+    assert advice["initial"] >= 2.0**10
+    # At the proposed scale the quiet layer's gradients are back in range.
+    rescaled = report_for("underflow", loss_scale=advice["initial"])
+    assert by_layer(rescaled)[("Planted/quiet", "backward")].underflow < quiet.underflow / 2
+    assert all(s.overflow == 0 for s in rescaled.layers if s.direction == "backward")
+    assert rescaled.advice()["loss_scale"] == advice  # judged on the same gradients
+
+
+def test_nan_from_log_of_zero_is_traced_to_its_module_and_line():
+    report = report_for("log0")
+    origin = report.origin
+    assert origin is not None
+    assert (origin.primitive, origin.layer, origin.direction) == (
+        "log",
+        "Planted/logzero",
+        "forward",
+    )
+    line = next(
+        i
+        for i, text in enumerate(open(__file__).read().splitlines(), 1)
+        if "jnp.log(jnp.zeros_like(x))" in text
+    )
+    assert origin.source.endswith(f"test_debugger.py:{line}")
+    assert origin.passed_on > 0
+    assert "first inf/NaN: log in Planted/logzero" in str(report)
+
+
+def test_nan_from_the_input_is_told_apart():
+    report = report_for("none", x=X.at[3, 1].set(jnp.nan))
+    assert report.origin is None
+    assert report.nonfinite_inputs == ("args[1]",)
+    assert math.isnan(report.loss)
+    assert "passed through from the input: args[1]" in str(report)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_statistics_match_numpy(dtype):
+    x = jnp.asarray(np.geomspace(1e-9, 1e6, 40) * np.resize([1, -1], 40), jnp.float32)
+    w = jnp.float32(3.0)
+    report = jmp.debug_precision(lambda w, x: jnp.sum(x * w), w, x, dtype=dtype, loss_scale=4.0)
+    forward = by_layer(report)[("(top level)", "forward")]
+    values = np.abs(np.concatenate([np.asarray(x * w), [np.asarray(jnp.sum(x * w))]]))
+    finfo = jnp.finfo(dtype)
+    nonzero = values[values > 0]
+    assert forward.count == values.size
+    assert forward.amax == pytest.approx(values.max())
+    assert forward.min_nonzero == pytest.approx(nonzero.min())
+    assert forward.dynamic_range == pytest.approx(np.log2(values.max() / nonzero.min()))
+    assert forward.underflow == pytest.approx(np.mean(nonzero < float(finfo.smallest_normal)))
+    assert forward.overflow == pytest.approx(np.mean(values > float(finfo.max)))
+    # Gradients (d/dw = sum(x), d/dx = w) are judged after the loss scale of 4.
+    backward = by_layer(report)[("(top level)", "backward")]
+    assert backward.headroom == math.floor(math.log2(float(finfo.max) / (backward.amax * 4.0)))
+
+
+def test_plot_and_bad_arguments(tmp_path):
+    report = report_for("overflow")
+    path = report.plot(tmp_path / "heat.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(TypeError, match="`dtype`"):
+        jmp.debug_precision(lambda x: x.sum(), jnp.ones(2), dtype="int8")
+    with pytest.raises(ValueError, match="`loss_scale`"):
+        jmp.debug_precision(lambda x: x.sum(), jnp.ones(2), loss_scale=0.0)
+
+
+def _count(jaxpr, primitive):
+    from jmp_policy.census import iter_equations
+
+    return sum(e.primitive.name == primitive for e in iter_equations(jaxpr))
+
+
+@pytest.mark.standard_promotion  # optax's adam mixes int32 and float
+def test_statistics_during_training_every_n_steps_without_a_host_sync():
+    params = {"a": jnp.ones(3), "b": {"c": jnp.ones((2, 2))}}
+    grads = {"a": jnp.array([1e-9, 1.0, 0.0]), "b": {"c": jnp.full((2, 2), 2.0)}}
+    scale = 2.0**10
+    scaled = jax.tree.map(lambda g: g * scale, grads)
+    off = jmp.loss_scaling(optax.adam(1e-3), jmp.StaticLossScale(scale))
+    on = jmp.loss_scaling(optax.adam(1e-3), jmp.StaticLossScale(scale), stats_every=3)
+    # Off: nothing changes; the state holds no statistics and the step's program is the same.
+    off_state = off.init(params)
+    assert off_state.gradient_stats is None
+    off_jaxpr = jax.make_jaxpr(off.update)(scaled, off_state, params)
+    default = jmp.loss_scaling(optax.adam(1e-3), jmp.StaticLossScale(scale), stats_every=None)
+    assert str(jax.make_jaxpr(default.update)(scaled, default.init(params), params)) == str(
+        off_jaxpr
+    )
+    # On: one more cond (the collection), run every 3rd step inside the jitted step.
+    state = on.init(params)
+    assert _count(jax.make_jaxpr(on.update)(scaled, state, params), "cond") == (
+        _count(off_jaxpr, "cond") + 1
+    )
+    step = jax.jit(on.update, donate_argnums=1)
+    seen = []
+    for _ in range(7):
+        _, state = step(scaled, state, params)
+        seen.append(int(state.gradient_stats.step))
+    assert seen == [0, 0, 0, 3, 3, 3, 6]
+    stats = state.gradient_stats
+    tiny = float(jnp.finfo(jnp.float16).smallest_normal)
+    expected_amax = [float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(scaled)]
+    np.testing.assert_allclose(stats.amax, expected_amax)
+    a = np.abs(np.asarray(scaled["a"]))
+    assert float(stats.underflow[0]) == np.mean(a[a > 0] < tiny)  # 1e-9 * 2^10 underflows
+    report = jmp.loss_scaling_report(state)
+    print(f"\n{report}")
+    assert report.stats_step == 6
+    assert report.gradient_stats["['b']['c']"]["headroom"] == math.floor(math.log2(65504 / 2048))
+    assert "underflow 50.0% (most at ['a'])" in str(report)
+    with pytest.raises(ValueError, match="`stats_every`"):
+        jmp.loss_scaling(optax.sgd(1.0), jmp.NoOpLossScale(), stats_every=0)
+    with pytest.raises(TypeError, match="`stats_dtype`"):
+        jmp.loss_scaling(optax.sgd(1.0), jmp.NoOpLossScale(), stats_every=1, stats_dtype="int8")
