@@ -68,7 +68,7 @@ def cast_floating(tree, dtype):
     )
 
 
-def char_lm_task(quick):
+def char_lm_task(quick, steps):
     demo = load_example("demo")
     train_ids, val_ids, vocab = demo.load_text()
     length, batch = (16, 8) if quick else (64, 32)
@@ -78,8 +78,10 @@ def char_lm_task(quick):
     mixed = jmp.linen.mixed_precision(
         model, jmp.get_policy("params=float32,compute=bfloat16,output=float32")
     )
-    train = demo.batches(train_ids, batch, length, seed=0)
-    x, _ = next(demo.batches(train_ids, batch, length, seed=0))
+    stream = demo.batches(train_ids, batch, length, seed=0)
+    # Every variant trains on the same batches, in the same order.
+    train = [next(stream) for _ in range(steps)]
+    x, _ = train[0]
     params = mixed.init(jax.random.key(0), x)["params"]
 
     def loss_fn(params, extra, x, y):
@@ -88,10 +90,10 @@ def char_lm_task(quick):
 
     val = demo.batches(val_ids, batch, length, seed=1)
     held_out = [next(val) for _ in range(4 if quick else 20)]
-    return "character LM (examples/demo.py)", params, {}, loss_fn, lambda i: next(train), held_out
+    return "character LM (examples/demo.py)", params, {}, loss_fn, lambda i: train[i], held_out
 
 
-def cnn_task(quick):
+def cnn_task(quick, steps):
     example = load_example("linen_cnn")
     mixed = jmp.linen.mixed_precision(
         example.CNN(), jmp.get_policy("params=float32,compute=bfloat16,output=float32")
@@ -192,7 +194,7 @@ def main(argv=None):
 
     rows, curves, results = [], {}, {}
     for key in args.tasks.split(","):
-        task = tasks[key](args.quick)
+        task = tasks[key](args.quick, steps[key])
         title = task[0]
         finals, memory, steppers = {}, {}, {}
         curves[title] = {}
