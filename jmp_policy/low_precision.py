@@ -14,7 +14,7 @@ applies its updates to 16-bit state in one of three ways:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import chex
@@ -64,11 +64,25 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
       >>> y.dtype, sorted(set(y.tolist())), round(float(y.astype(jnp.float32).mean()), 3)
       (dtype(bfloat16), [1.0, 1.0078125], 1.001)
     """
+    return _round_up_by(x, jax.random.bits(key, x.shape, jnp.uint32))
+
+
+def _round_up_by(x: jax.Array, random_bits: jax.Array) -> jax.Array:
+    """Stochastic rounding of `x` to bfloat16 with the given uint32 random bits (one per value)."""
     bits = lax.bitcast_convert_type(x.astype(F32), jnp.uint32)
-    noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+    noise = random_bits.reshape(x.shape) >> 16
     rounded = ((bits + noise) >> 16).astype(jnp.uint16)
     out = lax.bitcast_convert_type(rounded, jnp.bfloat16)
     return jnp.where(jnp.isfinite(x), out, x.astype(BF16))  # inf/NaN as round-to-nearest
+
+
+def _random_bits_for(key: jax.Array, arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """One uint32 per value of each array, from one draw: one PRNG kernel whatever the number
+    of leaves (a draw per leaf made compile time grow with the leaves)."""
+    sizes = [int(np.prod(a.shape)) for a in arrays]
+    flat = jax.random.bits(key, (sum(sizes),), jnp.uint32)
+    offsets = np.cumsum([0, *sizes])
+    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(arrays))]
 
 
 def split_float32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -238,13 +252,20 @@ def low_precision_optimizer(
 
     def store_moments(tree: Any, key: jax.Array | None) -> Any:
         leaves = jax.tree_util.tree_leaves_with_path(tree)
+        targets = [_moment_dtype(path, leaf, dtypes) for path, leaf in leaves]
+        rounded = [
+            i
+            for i, ((_, leaf), dtype) in enumerate(zip(leaves, targets, strict=True))
+            if key is not None and dtype == BF16 and leaf.dtype != BF16
+        ]
+        bits = _random_bits_for(key, [leaves[i][1] for i in rounded]) if key is not None else []
+        noise = dict(zip(rounded, bits, strict=True))
         out = []
-        for i, (path, leaf) in enumerate(leaves):
-            dtype = _moment_dtype(path, leaf, dtypes)
+        for i, ((_, leaf), dtype) in enumerate(zip(leaves, targets, strict=True)):
             if dtype is None or dtype == leaf.dtype:
                 out.append(leaf)
-            elif key is not None and dtype == BF16:
-                out.append(stochastic_round(leaf, jax.random.fold_in(key, i)))
+            elif i in noise:
+                out.append(_round_up_by(leaf, noise[i]))
             else:
                 out.append(leaf.astype(dtype))
         return jax.tree.unflatten(jax.tree.structure(tree), out)
@@ -295,6 +316,11 @@ def low_precision_optimizer(
         flat_full = treedef.flatten_up_to(full)
         flat_updates = treedef.flatten_up_to(inner_updates)
         flat_residual = treedef.flatten_up_to(state.residual)
+        half = [i for i, p in enumerate(flat_params) if p.dtype == BF16]
+        noise = {}
+        if rounding == "stochastic":
+            bits = _random_bits_for(jax.random.fold_in(step_key, 0), [flat_params[i] for i in half])
+            noise = dict(zip(half, bits, strict=True))
         new_updates, new_residual = [], []
         for i, (p, f, u, r) in enumerate(
             zip(flat_params, flat_full, flat_updates, flat_residual, strict=True)
@@ -305,7 +331,7 @@ def low_precision_optimizer(
                 continue
             target = f + u.astype(F32)
             if rounding == "stochastic":
-                new_p = stochastic_round(target, jax.random.fold_in(step_key, i))
+                new_p = _round_up_by(target, noise[i])
             elif rounding == "kahan":
                 new_p = target.astype(BF16)
                 r = (target - new_p.astype(F32)).astype(BF16)
@@ -314,7 +340,7 @@ def low_precision_optimizer(
             # apply_updates computes p + u in float32 and casts: exactly new_p.
             new_updates.append(new_p.astype(F32) - p.astype(F32))
             new_residual.append(r)
-        moment_key = jax.random.fold_in(step_key, len(flat_params))
+        moment_key = jax.random.fold_in(step_key, 1)
         return jax.tree.unflatten(treedef, new_updates), LowPrecisionState(
             inner_state=store_moments(
                 inner_state, moment_key if rounding == "stochastic" else None

@@ -2,6 +2,7 @@
 
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,16 +20,14 @@ BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 
 
 def run(tx, params, grads_of, steps):
-    state = tx.init(params)
+    """`steps` jitted train steps, as one `fori_loop` (one compile, one dispatch)."""
 
-    @jax.jit
-    def step(params, state, i):
+    def step(i, carry):
+        params, state = carry
         updates, state = tx.update(grads_of(params, i), state, params)
         return optax.apply_updates(params, updates), state
 
-    for i in range(steps):
-        params, state = step(params, state, i)
-    return params, state
+    return jax.jit(lambda p, s: jax.lax.fori_loop(0, steps, step, (p, s)))(params, tx.init(params))
 
 
 @pytest.mark.parametrize(
@@ -200,25 +199,29 @@ def test_half_master_weights_warning_points_here():
 
 def test_with_a_bfloat16_param_policy_and_a_linen_model():
     """`params=bfloat16` end to end: no master-weights warning, LayerNorm still in float32."""
-    from models import Classifier
+
+    class Small(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.LayerNorm()(nn.Dense(16)(x)))
 
     policy = jmp.get_policy("params=bfloat16,compute=bfloat16,output=float32")
-    model = jmp.linen.mixed_precision(Classifier(), policy)
-    x = jax.random.normal(jax.random.key(0), (8, 5, 16))
-    y = jnp.arange(8) % 4
+    model = jmp.linen.mixed_precision(Small(), policy)
+    x = jax.random.normal(jax.random.key(0), (32, 8))
+    y = jnp.arange(32) % 4
     params = policy.cast_to_param(model.init(jax.random.key(1), x)["params"])
-    tx = jmp.loss_scaling(jmp.low_precision_optimizer(optax.adamw(3e-3)), jmp.NoOpLossScale())
+    tx = jmp.loss_scaling(jmp.low_precision_optimizer(optax.adamw(3e-2)), jmp.NoOpLossScale())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         state = tx.init(params)
 
+    def loss_fn(p):
+        logits = model.apply({"params": p}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
     @jax.jit
     def step(params, state):
-        loss, grads = jax.value_and_grad(
-            lambda p: optax.softmax_cross_entropy_with_integer_labels(
-                model.apply({"params": p}, x), y
-            ).mean()
-        )(params)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
