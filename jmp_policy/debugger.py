@@ -23,6 +23,8 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
+from jmp_policy.policy import is_floating_array
+
 _CALLS = {
     "pjit",
     "jit",
@@ -282,12 +284,10 @@ class _Accumulator:
         return tuple(out)
 
 
-def _is_float(value: Any) -> bool:
-    return hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
-
-
 def _all_finite(values: Sequence[Any]) -> bool:
-    return all(bool(np.isfinite(np.asarray(v, np.float64)).all()) for v in values if _is_float(v))
+    return all(
+        bool(np.isfinite(np.asarray(v, np.float64)).all()) for v in values if is_floating_array(v)
+    )
 
 
 class _Interpreter:
@@ -338,7 +338,7 @@ class _Interpreter:
 
     def _record(self, eqn: Any, stack: str, invals: list, outs: list) -> None:
         key = _layer_and_direction(stack)
-        floats = [o for o in outs if _is_float(o)]
+        floats = [o for o in outs if is_floating_array(o)]
         for value in floats:
             self.acc.add(key, value)
         if not floats or _all_finite(floats):
@@ -397,7 +397,7 @@ def debug_precision(
     bad_inputs = tuple(
         f"args{jax.tree_util.keystr(path)}"
         for path, leaf in leaves
-        if _is_float(jnp.asarray(leaf)) and not _all_finite([jnp.asarray(leaf)])
+        if is_floating_array(jnp.asarray(leaf)) and not _all_finite([jnp.asarray(leaf)])
     )
     closed = jax.make_jaxpr(jax.value_and_grad(loss_fn, argnums))(*args)
     acc = _Accumulator(target, float(loss_scale))

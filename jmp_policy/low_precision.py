@@ -25,6 +25,7 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
+from jmp_policy.policy import is_floating_array
 from jmp_policy.transform import find_states
 
 MODES = ("stochastic", "kahan", "split")
@@ -144,13 +145,9 @@ def _field_names(path: tuple) -> list[str]:
     return [e.name for e in path if isinstance(e, jax.tree_util.GetAttrKey)]
 
 
-def _is_floating(leaf: Any) -> bool:
-    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
-
-
 def _moment_dtype(path: tuple, leaf: Any, dtypes: Mapping[str, np.dtype]) -> np.dtype | None:
     """The storage dtype of an inner-state leaf, or None to leave it as the inner makes it."""
-    if _is_floating(leaf):
+    if is_floating_array(leaf):
         for name in _field_names(path):
             if name in dtypes:
                 return dtypes[name]
@@ -162,7 +159,7 @@ def _floating_fields(tree: Any) -> list[str]:
         {
             name
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-            if _is_floating(leaf)
+            if is_floating_array(leaf)
             for name in _field_names(path)
         }
     )
