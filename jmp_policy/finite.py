@@ -1,8 +1,9 @@
 """Finite checks of gradient pytrees: one answer, per-leaf flags, agreed across devices.
 
-`x - x` is NaN exactly where `x` is inf or NaN; small leaves of one shape and
-dtype are reduced together. `unscaled_finite` is the check `loss_scaling`
-runs on the gradients of a scaled loss.
+`all_finite` adds `x - x` (NaN exactly where `x` is inf or NaN) over small
+leaves of one shape; per-leaf answers come from every leaf's largest
+magnitude (`leaf_max_abs`). `unscaled_leaf_finite` is the check
+`loss_scaling` runs on the gradients of a scaled loss.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 # Leaves smaller than this are added together (all_finite) or stacked
-# (leaf_finite_vector) with the others of their shape before reducing.
+# (leaf_max_abs) with the others of their shape before reducing.
 _GROUPED_LEAF_SIZE = 2**16
 
 
@@ -93,6 +94,49 @@ def agree(finite: jax.Array, axis_name: Hashable | None) -> jax.Array:
     return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
 
+def leaf_max_abs(tree: chex.ArrayTree) -> jax.Array:
+    """Returns the largest magnitude of every leaf of `tree`, packed in a vector.
+
+    A NaN counts as inf, so an entry is finite exactly when its leaf is (a
+    maximum reduction on CPU may drop NaNs, so they are never left to it); 0
+    for non-floating leaves. Leaves are in `jax.tree.leaves` order, and the
+    vector's dtype is float32, or the widest floating dtype of the leaves if
+    that is wider; the maxima are exact (a maximum is one of the values).
+    Small leaves of one shape and dtype are stacked and reduced together (one
+    reduction per shape, not per leaf: a transformer's hundreds of leaves have
+    a dozen shapes), large ones one by one. The results come back in leaf
+    order through one static permutation.
+
+    A function applied to every value that keeps their order, such as the
+    division by a positive loss scale, is finite on every value exactly when
+    it is finite on the maxima: `isfinite(loss_scale.unscale(leaf_max_abs(g)))`
+    tells which leaves of `loss_scale.unscale(g)` are finite without
+    computing it.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jmp_policy.finite import leaf_max_abs
+      >>> leaf_max_abs({"a": jnp.array([1.0, -3.0]), "b": jnp.array([jnp.nan]), "n": 3})
+      Array([ 3., inf,  0.], dtype=float32)
+    """
+    leaves = jax.tree.leaves(tree)
+    groups = _groups(leaves)
+    dtype = max(
+        (jnp.dtype(jnp.float32), *(leaves[p[0]].dtype for p in groups.values())),
+        key=lambda d: d.itemsize,
+    )
+    order: list[int] = []
+    parts = []
+    for positions in groups.values():
+        stacked = jnp.stack([leaves[i] for i in positions]).reshape(len(positions), -1)
+        magnitudes = jnp.where(jnp.isnan(stacked), jnp.inf, jnp.abs(stacked))
+        parts.append(jnp.max(magnitudes, axis=1, initial=0).astype(dtype))
+        order += positions
+    others = [i for i in range(len(leaves)) if i not in set(order)]
+    parts.append(jnp.zeros(len(others), dtype))
+    return jnp.concatenate(parts)[np.argsort(order + others)]
+
+
 def leaf_finite_vector(tree: chex.ArrayTree, axis_name: Hashable | None = None) -> jax.Array:
     """Returns one bool per leaf of `tree`, packed in a vector: whether that leaf is finite.
 
@@ -105,24 +149,7 @@ def leaf_finite_vector(tree: chex.ArrayTree, axis_name: Hashable | None = None) 
       >>> leaf_finite_vector({"a": jnp.ones(2), "b": jnp.array([jnp.nan]), "n": 3})
       Array([ True, False,  True], dtype=bool)
     """
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.zeros((0,), jnp.bool_)
-    # As in `all_finite`: small leaves of one shape and dtype are stacked and
-    # reduced together (one reduction per shape, not per leaf: a transformer's
-    # hundreds of leaves have a dozen shapes), large ones one by one. The flags
-    # come back in leaf order through one static permutation.
-    order: list[int] = []
-    parts = []
-    for positions in _groups(leaves).values():
-        stacked = jnp.stack([leaves[i] for i in positions]).reshape(len(positions), -1)
-        parts.append(jnp.isfinite(jnp.sum(stacked - stacked, axis=1, dtype=jnp.float32)))
-        order += positions
-    grouped = set(order)
-    others = [i for i in range(len(leaves)) if i not in grouped]
-    parts.append(jnp.ones(len(others), jnp.bool_))
-    finite = jnp.concatenate(parts)[np.argsort(order + others)]
-    return agree(finite, axis_name)
+    return agree(jnp.isfinite(leaf_max_abs(tree)), axis_name)
 
 
 def leaf_finite_flags(tree: T, axis_name: Hashable | None = None) -> T:
@@ -141,45 +168,15 @@ def leaf_finite_flags(tree: T, axis_name: Hashable | None = None) -> T:
     return jax.tree.unflatten(treedef, [flags[i] for i in range(len(leaves))])
 
 
-def unscaled_finite(
-    scaled_grads: chex.ArrayTree,
-    loss_scale: LossScale,
-    old_flags: jax.Array,
-    axis_name: Hashable | None,
-    quick: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """Whether `loss_scale.unscale(scaled_grads)` is all finite, and the new packed leaf flags.
+def unscaled_leaf_finite(
+    scaled_grads: chex.ArrayTree, loss_scale: LossScale, axis_name: Hashable | None
+) -> jax.Array:
+    """One bool per leaf: whether `loss_scale.unscale(scaled_grads)` is finite there.
 
-    The decision is exact either way, and agreed across devices with
-    `axis_name`. Which leaves held inf/NaN is worked out only when the answer
-    is no (the flags are `old_flags` otherwise), so applied steps do no
-    per-leaf work.
-
-    `quick`: first the sum of squares of the scaled gradients (dot products
-    that run at memory speed), finite only if every value is; with S >= 1 the
-    unscaled values are then finite too. Only when that fails (an overflowing
-    step, finite values whose squares overflow, or S < 1) does the exact
-    per-leaf test run. Everything that reads the gradients happens here, before
-    the step, so the step may write its updates over them. Otherwise:
-    `all_finite` of the unscaled values (fused, never stored) at once.
+    Exact, and agreed across devices with `axis_name` (one collective). The
+    unscaled gradients are never computed: unscaling divides by S > 0, which
+    keeps the values' order, so only every leaf's largest magnitude is
+    unscaled (`leaf_max_abs`). The check reads the scaled gradients once, in
+    one reduction per distinct leaf shape.
     """
-    unscaled = lambda: loss_scale.unscale(scaled_grads)  # noqa: E731
-
-    def per_leaf():
-        ok = leaf_finite_vector(unscaled(), axis_name)
-        finite = ok.all()
-        return finite, jnp.where(finite, old_flags, ~ok)
-
-    if not quick:
-        finite = all_finite(unscaled(), axis_name=axis_name)
-        return finite, lax.cond(finite, lambda: old_flags, lambda: per_leaf()[1])
-    squares = [
-        jnp.vdot(x, x, preferred_element_type=jnp.float32)
-        for x in jax.tree.leaves(scaled_grads)
-        if is_floating_array(x)
-    ]
-    trusted = jnp.isfinite(sum(squares)) & (jnp.asarray(loss_scale.loss_scale) >= 1)
-    # Agreed first, so every device takes the same branch (the exact one has
-    # its own collective).
-    trusted = agree(trusted, axis_name)
-    return lax.cond(trusted, lambda: (jnp.asarray(True), old_flags), per_leaf)
+    return agree(jnp.isfinite(loss_scale.unscale(leaf_max_abs(scaled_grads))), axis_name)

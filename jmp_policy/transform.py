@@ -24,20 +24,15 @@ from jax.typing import DTypeLike
 
 from jmp_policy._validation import whole_number
 from jmp_policy.debugger import GradientStats, empty_gradient_stats, gradient_stats
-from jmp_policy.finite import unscaled_finite
+from jmp_policy.finite import unscaled_leaf_finite
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
 )
-from jmp_policy.policy import is_floating_array
 
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
-# Gradients whose leaves hold this many values or more on average (an MLP, a
-# wide model) take the large-leaf step; many small leaves (a transformer's
-# biases and norms, a CNN) take the small-leaf step. See `_large_leaves`.
-_LARGE_LEAF = 2**16
 
 
 def host_value(x: Any) -> np.ndarray:
@@ -99,9 +94,9 @@ class LossScalingState(NamedTuple):
       last_step_skipped: whether the most recent step was skipped (bool).
       nonfinite_leaves: for the most recent skipped step, a `LeafFlags` with a
         bool per gradient leaf: True where that leaf held an inf or NaN (after
-        unscaling). All False until a step is skipped. One packed array, and
-        computed only on skipped steps, so its cost does not grow with the
-        number of leaves on the steps that are applied. Read it with
+        unscaling). All False until a step is skipped. One packed array, a
+        by-product of the finite check itself (which works per leaf), so it
+        costs no extra pass over the gradients. Read it with
         `nonfinite_leaves.paths()`, `.tree()`, or `jmp_policy.loss_scaling_report`.
       gradient_stats: with `loss_scaling(..., stats_every=N)`, the `GradientStats` of the
         scaled gradients, collected every N steps; None otherwise.
@@ -178,14 +173,12 @@ def loss_scaling(
     Then the loss scale is adjusted (grown or backed off). The scale used for
     unscaling is always the one the loss was scaled with.
 
-    How the check and the skip are built is chosen at trace time from the
-    gradients' leaves, so nothing needs tuning: few large leaves (an MLP) get a
-    quick sum-of-squares test with an exact fallback and an inner update in a
-    loop that runs once or not at all, whose results take the gradients'
-    buffers (less memory); many small leaves (a transformer, a CNN) get one
-    exact finite check and a `lax.cond` (less compile time and per-leaf work).
-    Both make the same decisions. A loop cannot be differentiated in reverse
-    mode, so on the large-leaf path `update` supports forward mode only.
+    The check is exact and reads the scaled gradients once: every leaf's
+    largest magnitude (one reduction per distinct leaf shape), divided by the
+    scale. Dividing by S > 0 keeps the order of the values, so a leaf's
+    unscaled values are finite exactly when its unscaled maximum is. The
+    inner update runs under a `lax.cond`, so a skipped step does no optimizer
+    work, and the unscaled gradients are never stored.
 
     Args:
       inner: the optimizer (any optax transform, including `optax.chain`,
@@ -272,9 +265,9 @@ def loss_scaling(
 
     def update_fn(updates, state, params=None, **extra_args):
         loss_scale = state.loss_scale
-        large = _large_leaves(updates)
         old_flags = state.nonfinite_leaves
-        finite, flags = unscaled_finite(updates, loss_scale, old_flags.flags, axis_name, large)
+        leaf_finite = unscaled_leaf_finite(updates, loss_scale, axis_name)
+        finite = leaf_finite.all()
 
         def apply(scaled_grads, inner_state):
             # Unscaled here, fused into the optimizer's first pass: the
@@ -283,9 +276,7 @@ def loss_scaling(
             new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
             return new_updates, optax.tree.cast_like(new_inner, inner_state)
 
-        new_updates, inner_state = _run_if_finite(
-            finite, apply, updates, state.inner_state, in_a_loop=large
-        )
+        new_updates, inner_state = _run_if_finite(finite, apply, updates, state.inner_state)
         skipped = ~finite
         stats = state.gradient_stats
         if stats_every is not None and stats is not None:
@@ -306,7 +297,9 @@ def loss_scaling(
             ),
             nonfinite_run=jnp.where(skipped, optax.safe_int32_increment(state.nonfinite_run), 0),
             last_step_skipped=skipped,
-            nonfinite_leaves=dataclasses.replace(old_flags, flags=flags),
+            nonfinite_leaves=dataclasses.replace(
+                old_flags, flags=jnp.where(finite, old_flags.flags, ~leaf_finite)
+            ),
             gradient_stats=stats,
         )
         return new_updates, new_state
@@ -315,47 +308,15 @@ def loss_scaling(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-def _large_leaves(grads: Any) -> bool:
-    """Whether the floating leaves of `grads` hold `_LARGE_LEAF` values or more on average.
-
-    Few large leaves: the step is memory-bound and the loop's buffer reuse
-    pays. Many small leaves: compile time and per-leaf work dominate, and one
-    check plus a `cond` cost least (benchmarks/bench_train_step.py).
-    """
-    sizes = [x.size for x in jax.tree.leaves(grads) if is_floating_array(x)]
-    return bool(sizes) and sum(sizes) >= _LARGE_LEAF * len(sizes)
-
-
-def _same_types(a: Any, b: Any) -> bool:
-    def types(tree):
-        return jax.tree.map(lambda s: (s.shape, s.dtype, s.weak_type), jax.eval_shape(lambda: tree))
-
-    return jax.tree.structure(a) == jax.tree.structure(b) and types(a) == types(b)
-
-
-def _run_if_finite(finite, apply, grads, inner_state, in_a_loop):
+def _run_if_finite(finite, apply, grads, inner_state):
     """`apply(grads, inner_state)` when `finite`, else (-0.0 updates, inner_state).
 
-    Only one of the two runs: a skipped step does no optimizer work. With
-    `in_a_loop`, and when the updates have the gradients' shapes and dtypes
-    (every optax optimizer), the step is a loop that runs once or not at all,
-    carrying the gradients and the inner state: a loop's results are written
-    over its carried buffers, so the updates take the place of the (then dead)
-    gradients and the new inner state that of the (donated) old one; a `cond`
-    would need a fresh buffer for every update. On many small leaves a `cond`
-    compiles faster and runs as fast, so it is used there, and whenever the
-    types differ.
+    Only one of the two runs: a skipped step does no optimizer work.
     """
     update_types = jax.eval_shape(apply, grads, inner_state)[0]
-    if in_a_loop and _same_types(update_types, grads):
-        updates, inner_state = lax.fori_loop(
-            0, finite.astype(jnp.int32), lambda _, carry: apply(*carry), (grads, inner_state)
-        )
-        # -0.0: p + (-0.0) == p bit for bit, for every p including +0.0.
-        # Skipped, the loop returned the scaled gradients themselves.
-        return jax.tree.map(lambda u: jnp.where(finite, u, -0.0), updates), inner_state
 
     def skip(grads, inner_state):
+        # -0.0: p + (-0.0) == p bit for bit, for every p including +0.0.
         zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), update_types)
         return zeros, inner_state
 
