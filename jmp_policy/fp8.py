@@ -1,0 +1,201 @@
+"""float8 matmuls with current scaling: scaled, saturating casts and a `dot_general` on float8.
+
+A float8 format holds few values (e4m3: up to 448, 3 mantissa bits; e5m2: up
+to 57344, 2 bits), so a tensor is multiplied by a scale before the cast, which
+maps its largest magnitude (amax) onto the format's largest value, and the
+matmul's result is divided by the product of its operands' scales.
+
+- `compute_scale` is TransformerEngine's rule: `fp8_max / amax / 2**margin`,
+  optionally rounded down to a power of two (then scaling is exact), and the
+  previous scale kept where amax is 0 or not finite.
+- `quantize` multiplies, saturates at the format's largest value (an inf
+  becomes +-fp8_max, as TransformerEngine's casts do) and casts.
+- `fp8_dot_general` is `lax.dot_general` with float8 operands and current
+  tensorwise scaling (each scale from the tensor itself, so there is no
+  state): e4m3 inputs and kernels in the forward pass, and gradients in e5m2
+  (the HYBRID format) or e4m3 in the backward pass. Its result comes out in
+  `out_dtype`, never in float8.
+
+On CPU, XLA computes a float8 `dot_general` exactly by upcasting, so the
+numerics can be tested anywhere; on H100-class GPUs it becomes an fp8 GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.typing import ArrayLike, DTypeLike
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+FORMATS = ("hybrid", "e4m3")
+
+
+def fp8_max(dtype: DTypeLike) -> float:
+    """The largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def compute_scale(
+    amax: ArrayLike,
+    scale: ArrayLike,
+    dtype: DTypeLike,
+    *,
+    margin: int = 0,
+    power_of_two: bool = False,
+) -> jax.Array:
+    """The scale that maps `amax` onto `dtype`'s largest value: `fp8_max / amax / 2**margin`.
+
+    Args:
+      amax: the largest magnitude (any shape: one per tensor, row or step).
+      scale: the previous scale, kept where `amax` is 0, not finite, or so
+        small that the new scale would overflow float32.
+      dtype: the float8 dtype quantized to.
+      margin: leave `2**margin` of headroom below the format's largest value.
+      power_of_two: round the scale down to a power of two, so that
+        multiplying by it and dividing the result by it are exact.
+
+    Returns:
+      float32 scales of `amax`'s shape.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jmp_policy.fp8 import E4M3, compute_scale
+      >>> compute_scale(jnp.array([2.0, 0.0, 3.0]), 1.0, E4M3, power_of_two=True)
+      Array([128.,   1., 128.], dtype=float32)
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    new = (np.float32(fp8_max(dtype)) / amax) / np.float32(2.0**margin)
+    if power_of_two:
+        new = jnp.exp2(jnp.floor(jnp.log2(new)))
+    usable = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(new)
+    return jnp.where(usable, new, jnp.asarray(scale, jnp.float32))
+
+
+def quantize(x: jax.Array, dtype: DTypeLike, scale: ArrayLike) -> jax.Array:
+    """`x * scale` in float32, saturated at `dtype`'s largest value and cast to `dtype`.
+
+    NaNs stay NaN; infs and values beyond the range become +-fp8_max.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jmp_policy.fp8 import E4M3, quantize
+      >>> quantize(jnp.array([1.0, 1000.0, -jnp.inf]), E4M3, 1.0).astype(jnp.float32)
+      Array([   1.,  448., -448.], dtype=float32)
+    """
+    top = np.float32(fp8_max(dtype))
+    scaled = x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
+    return jnp.clip(scaled, -top, top).astype(dtype)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _current(x: jax.Array, dtype: np.dtype, power_of_two: bool) -> tuple[jax.Array, jax.Array]:
+    """Tensorwise current scaling: the scale from `x`'s own amax, and `x` quantized with it."""
+    scale = compute_scale(_amax(x), 1.0, dtype, power_of_two=power_of_two)
+    return quantize(x, dtype, scale), scale
+
+
+def _check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(
+            f"Unknown fp8 format {fmt!r} for `fmt`: expected 'hybrid' (e4m3 forward, e5m2 "
+            "gradients) or 'e4m3' (e4m3 everywhere)."
+        )
+    return fmt
+
+
+def fp8_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    *,
+    fmt: str = "hybrid",
+    out_dtype: DTypeLike | None = None,
+    power_of_two: bool = False,
+) -> jax.Array:
+    """`lax.dot_general(lhs, rhs, dimension_numbers)` on float8 operands, with current scaling.
+
+    Forward: `lhs` and `rhs` are each quantized to e4m3 with a scale from
+    their own amax (`compute_scale`), multiplied in float8 with float32
+    accumulation, and divided by the product of the two scales. Backward: the
+    output gradient is quantized the same way (to e5m2 with `fmt="hybrid"`,
+    e4m3 with `fmt="e4m3"`) and multiplied by the saved float8 operands, so
+    every matmul of the step has float8 operands. No state: nothing to thread
+    through `jit`, `scan` or a checkpoint.
+
+    Args:
+      lhs, rhs, dimension_numbers: as for `lax.dot_general`.
+      fmt: "hybrid" or "e4m3".
+      out_dtype: the dtype of the result (default: `lhs`'s, and float32 if
+        that is float8). The gradients come back in `lhs`'s and `rhs`'s dtypes.
+      power_of_two: round the scales down to powers of two (exact scaling).
+
+    Raises:
+      ValueError: an unknown `fmt`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jmp_policy.fp8 import fp8_dot_general
+      >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+      >>> fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
+      Array([[1.5, 1.5, 1.5, 1.5],
+             [1.5, 1.5, 1.5, 1.5]], dtype=float32)
+    """
+    _check_format(fmt)
+    if out_dtype is None:
+        out_dtype = lhs.dtype if lhs.dtype.itemsize > 1 else np.dtype(np.float32)
+    dimension_numbers = jax.tree.map(int, dimension_numbers)
+    static = (fmt, np.dtype(out_dtype), power_of_two, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    return _fp8_dot(lhs, rhs, _hashable(dimension_numbers), static)
+
+
+def _hashable(dimension_numbers):
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_dot(lhs, rhs, dimension_numbers, static):
+    return _fp8_dot_fwd(lhs, rhs, dimension_numbers, static)[0]
+
+
+def _fp8_dot_fwd(lhs, rhs, dimension_numbers, static):
+    _, out_dtype, power_of_two, _, _ = static
+    q_lhs, s_lhs = _current(lhs, E4M3, power_of_two)
+    q_rhs, s_rhs = _current(rhs, E4M3, power_of_two)
+    out = lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=jnp.float32)
+    out = (out / (s_lhs * s_rhs)).astype(out_dtype)
+    return out, (q_lhs, s_lhs, q_rhs, s_rhs)
+
+
+def _fp8_dot_bwd(dimension_numbers, static, residuals, g):
+    from flax.linen import fp8_ops  # the transposes of a dot_general, on any operand dtype
+
+    fmt, _, power_of_two, lhs_dtype, rhs_dtype = static
+    q_lhs, s_lhs, q_rhs, s_rhs = residuals
+    q_g, s_g = _current(g, E5M2 if fmt == "hybrid" else E4M3, power_of_two)
+    # HIGHEST as Flax's fp8 ops: float8 operands either way, and on CPU the
+    # same accumulation order as theirs.
+    highest, f32 = lax.Precision.HIGHEST, jnp.float32
+    d_lhs = fp8_ops.dot_general_transpose_lhs(
+        q_g, q_lhs, q_rhs, dimension_numbers=dimension_numbers, precision=highest,
+        preferred_element_type=f32,
+    )  # fmt: skip
+    d_rhs = fp8_ops.dot_general_transpose_rhs(
+        q_g, q_lhs, q_rhs, dimension_numbers=dimension_numbers, precision=highest,
+        preferred_element_type=f32,
+    )  # fmt: skip
+    d_lhs = (d_lhs / (s_g * s_rhs)).astype(lhs_dtype)
+    d_rhs = (d_rhs / (s_g * s_lhs)).astype(rhs_dtype)
+    return d_lhs, d_rhs
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)

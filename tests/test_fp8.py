@@ -1,0 +1,173 @@
+"""float8 matmuls with current scaling: the math, checked against float32 and Flax."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.linen import fp8_ops
+
+from jmp_policy.fp8 import E4M3, E5M2, compute_scale, fp8_dot_general, fp8_max, quantize
+
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+def _values(key, shape, amax):
+    """Random values whose largest magnitude is exactly `amax`."""
+    x = jax.random.uniform(jax.random.key(key), shape, minval=-amax, maxval=amax)
+    return x.at[(0,) * len(shape)].set(amax).astype(jnp.float32)
+
+
+def _reference_qdq(x, dtype, scale):
+    """x*scale saturated and rounded to `dtype` (NumPy), returned as float32 values."""
+    top = np.float32(fp8_max(dtype))
+    q = np.clip(np.asarray(x, np.float32) * np.float32(scale), -top, top).astype(dtype)
+    return jnp.asarray(q.astype(np.float32))
+
+
+@jax.jit
+def _float32_dot(a, b, scale_a, scale_b):
+    """The dequantized float32 matmul: (a @ b) / (scale_a * scale_b), under jit like ours."""
+    return jnp.dot(a, b, precision="highest") / (scale_a * scale_b)
+
+
+def test_scale_rule_matches_flax_and_transformer_engine():
+    amax = jnp.array([3.5, 0.0, jnp.inf, jnp.nan, 1e-3, 1e-40], jnp.float32)
+    previous = jnp.float32(2.0)
+    for dtype in (E4M3, E5M2):
+        ours = compute_scale(amax, previous, dtype)
+        # Flax (TransformerEngine's rule) stores the reciprocal, the dequantization scale.
+        theirs = fp8_ops.compute_scale(amax, 1.0 / previous, fp8_max(dtype))
+        np.testing.assert_array_equal(1.0 / ours[:5], theirs[:5])
+        # amax 0, inf, NaN: the previous scale is kept.
+        np.testing.assert_array_equal(ours[1:4], [2.0, 2.0, 2.0])
+        # A denormal amax would give an infinite scale: kept too (Flax returns 0).
+        assert float(ours[5]) == 2.0
+    np.testing.assert_array_equal(compute_scale(jnp.float32(3.5), 1.0, E4M3), 128.0)
+    np.testing.assert_array_equal(compute_scale(jnp.float32(3.5), 1.0, E4M3, margin=1), 64.0)
+    pow2 = compute_scale(jnp.float32(3.0), 1.0, E4M3, power_of_two=True)
+    assert float(pow2) == 128.0  # 448 / 3 = 149.3, rounded down to a power of two
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_casts_saturate_at_448_and_57344(dtype):
+    top = fp8_max(dtype)
+    assert top == {E4M3: 448.0, E5M2: 57344.0}[dtype]
+    x = jnp.array([top * 4, -top * 4, jnp.inf, -jnp.inf, jnp.nan, 1.0], jnp.float32)
+    q = np.asarray(quantize(x, dtype, 1.0).astype(jnp.float32))
+    np.testing.assert_array_equal(q[:4], [top, -top, top, -top])
+    assert np.isnan(q[4]) and q[5] == 1.0
+    # Flax's quantize saturates the finite values the same way.
+    np.testing.assert_array_equal(
+        fp8_ops.quantize(x[:2], dtype, jnp.float32(1.0), jnp.float32).astype(jnp.float32), q[:2]
+    )
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_forward_and_gradients_are_the_float32_reference_of_the_same_math(fmt):
+    x, w = _values(0, (16, 32), 3.0), _values(1, (32, 8), 0.7)
+    cotangent = _values(2, (16, 8), 5.0)
+
+    def f(x, w):
+        return fp8_dot_general(x, w, MATMUL, fmt=fmt)
+
+    out, vjp = jax.vjp(jax.jit(f), x, w)
+    dx, dw = vjp(cotangent)
+    # The same math on float32 values: scales from each tensor's amax, the
+    # operands rounded to float8 and back, a float32 matmul, then unscaled.
+    sx, sw = np.float32(448.0) / np.float32(3.0), np.float32(448.0) / np.float32(0.7)
+    qx, qw = _reference_qdq(x, E4M3, sx), _reference_qdq(w, E4M3, sw)
+    np.testing.assert_array_equal(out, _float32_dot(qx, qw, sx, sw))
+    gdtype = E5M2 if fmt == "hybrid" else E4M3
+    sg = np.float32(fp8_max(gdtype)) / np.float32(5.0)
+    qg = _reference_qdq(cotangent, gdtype, sg)
+    np.testing.assert_array_equal(dx, _float32_dot(qg, qw.T, sg, sw))
+    np.testing.assert_array_equal(dw, _float32_dot(qx.T, qg, sg, sx))
+    # ... and close to the float32 matmul: e4m3 keeps 3 mantissa bits.
+    np.testing.assert_allclose(out, x @ w, atol=0.1 * float(jnp.abs(x @ w).max()))
+
+
+def test_every_matmul_has_float8_operands():
+    x, w = _values(0, (4, 8), 1.0), _values(1, (8, 2), 1.0)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: fp8_dot_general(x, w, MATMUL).sum(), (0, 1)))(x, w)
+    dots = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                dots.append(tuple(v.aval.dtype for v in eqn.invars))
+        for sub in jax.extend.core.subjaxprs(jaxpr):
+            walk(sub)
+
+    walk(jaxpr.jaxpr)
+    # The forward dot on two e4m3 operands; both backward dots take the e5m2 gradient.
+    assert dots[0] == (E4M3, E4M3)
+    assert [sorted(d.name for d in dot) for dot in dots[1:]] == [
+        ["float8_e4m3fn", "float8_e5m2"]
+    ] * 2, dots
+    assert len(dots) == 3
+
+
+def test_gradients_equal_flax_fp8_direct_dot_general_on_the_same_scales():
+    # Amaxes whose scales are powers of two (448/3.5 = 128, 448/1.75 = 256,
+    # 57344/0.875 = 65536): Flax divides by the reciprocal scale and we
+    # multiply by the scale, which agree exactly only then.
+    x, w = _values(0, (8, 16), 3.5), _values(1, (16, 4), 1.75)
+    cotangent = _values(2, (8, 4), 0.875)
+    op = fp8_ops.Fp8DirectDotGeneralOp()
+    variables = op.init(jax.random.key(0), x, w, MATMUL)
+    state = dict(variables["_overwrite_with_gradient"])
+    # Flax's delayed scaling takes the new scale from the amax history: give it
+    # these tensors' amaxes, so its scales are the ones current scaling computes.
+    for name, amax in (("input", 3.5), ("kernel", 1.75), ("output_grad", 0.875)):
+        state[f"{name}_amax_history"] = state[f"{name}_amax_history"].at[0].set(amax)
+
+    def flax_loss(x, w):
+        y = op.apply({"_overwrite_with_gradient": state}, x, w, MATMUL)
+        return (y * cotangent).sum()
+
+    def our_loss(x, w):
+        return (fp8_dot_general(x, w, MATMUL) * cotangent).sum()
+
+    ours = jax.grad(our_loss, (0, 1))(x, w)
+    theirs = jax.grad(flax_loss, (0, 1))(x, w)
+    np.testing.assert_array_equal(ours[0], theirs[0])
+    np.testing.assert_array_equal(ours[1], theirs[1])
+    np.testing.assert_array_equal(
+        fp8_dot_general(x, w, MATMUL), op.apply({"_overwrite_with_gradient": state}, x, w, MATMUL)
+    )
+
+
+def test_batched_dimension_numbers_and_dtypes():
+    # Attention-style: a batch dimension, contracting the last axis of both.
+    q, k = _values(0, (2, 5, 8), 2.0), _values(1, (2, 7, 8), 2.0)
+    dn = (((2,), (2,)), ((0,), (0,)))
+    out = fp8_dot_general(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), dn)
+    assert out.dtype == jnp.bfloat16 and out.shape == (2, 5, 7)
+    exact = jnp.einsum("bqd,bkd->bqk", q, k)
+    np.testing.assert_allclose(out.astype(jnp.float32), exact, atol=0.15 * float(abs(exact).max()))
+    grads = jax.grad(lambda a, b: fp8_dot_general(a, b, dn).astype(jnp.float32).sum(), (0, 1))(
+        q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    )
+    assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16]
+    assert [g.shape for g in grads] == [q.shape, k.shape]
+    assert fp8_dot_general(q, k, dn, out_dtype=jnp.float16).dtype == jnp.float16
+
+
+def test_bad_format_is_refused():
+    with pytest.raises(ValueError, match="`fmt`.*'hybrid'"):
+        fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL, fmt="e5m2")
+
+
+def test_exported_for_cuda_the_module_keeps_float8_operands():
+    # What a GPU compiles: the float8 types must survive lowering, or XLA
+    # could never pick an fp8 GEMM.
+    step = jax.jit(jax.value_and_grad(lambda x, w: fp8_dot_general(x, w, MATMUL).sum(), (0, 1)))
+    exported = jax.export.export(step, platforms=("cuda",))(
+        jax.ShapeDtypeStruct((16, 32), jnp.float32), jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    )
+    module = exported.mlir_module()
+    dots = [line for line in module.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 3
+    assert all("f8E4M3FN" in line for line in dots)
+    assert sum("f8E5M2" in line for line in dots) == 2
