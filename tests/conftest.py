@@ -31,3 +31,12 @@ def strict_dtype_promotion(request):
     mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
     with jax.numpy_dtype_promotion(mode):
         yield
+
+
+# The slowest tests (a minute or more on 2 cores) run first, so under
+# `pytest -n 2` no worker is left running one of them alone at the end.
+_SLOW_FIRST = ("test_run_all_benchmarks_quick", "test_demo_fast")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.name not in _SLOW_FIRST)  # stable: the rest keep their order
