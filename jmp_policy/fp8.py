@@ -132,7 +132,9 @@ def fp8_dot_general(
     through `jit`, `scan` or a checkpoint.
 
     Args:
-      lhs, rhs, dimension_numbers: as for `lax.dot_general`.
+      lhs: the left operand, as for `lax.dot_general`.
+      rhs: the right operand.
+      dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
       fmt: "hybrid" or "e4m3".
       out_dtype: the dtype of the result (default: `lhs`'s, and float32 if
         that is float8). The gradients come back in `lhs`'s and `rhs`'s dtypes.
