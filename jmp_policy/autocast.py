@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jmp_policy.fp8 import fp8_dot_general, fp8_eligible
 from jmp_policy.policy import Policy, check_policy
 
 try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
@@ -121,23 +122,6 @@ class _Rules:
         if policy.compute_dtype.itemsize == 1:  # float8: matmuls only
             return cls(np.dtype(jnp.bfloat16), policy.output_dtype, allow, deny, fp8=True)
         return cls(policy.compute_dtype, policy.output_dtype, allow, deny)
-
-
-# float8 matmuls need a contraction (K) and an output width (N) that are
-# multiples of 16 (what fp8 GEMMs accept); smaller ones gain nothing and stay
-# in bfloat16.
-_FP8_MULTIPLE = 16
-
-
-def fp8_eligible(lhs_shape: tuple, rhs_shape: tuple, dimension_numbers: Any) -> str | None:
-    """None if a `dot_general` of these shapes can run in float8, else the reason it cannot."""
-    (_, rhs_contract), (_, rhs_batch) = dimension_numbers
-    k = int(np.prod([rhs_shape[d] for d in rhs_contract]))
-    n = int(np.prod([s for d, s in enumerate(rhs_shape) if d not in (*rhs_contract, *rhs_batch)]))
-    for what, size in (("K (contraction)", k), ("N (output width)", n)):
-        if size < _FP8_MULTIPLE or size % _FP8_MULTIPLE:
-            return f"{what} = {size} is not a multiple of {_FP8_MULTIPLE}"
-    return None
 
 
 def _known_primitives() -> frozenset:
@@ -270,8 +254,6 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
         lhs, rhs = invals
         dimension_numbers = eqn.params["dimension_numbers"]
         if fp8_eligible(lhs.shape, rhs.shape, dimension_numbers) is None:
-            from jmp_policy.fp8 import fp8_dot_general
-
             with _source_context(eqn):
                 return [fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=rules.compute)]
     if name in rules.allow:

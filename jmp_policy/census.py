@@ -109,6 +109,12 @@ class PrecisionReport:
         matmul or conv the FLOPs are its multiply-adds times 2; for any other
         operation, the size of its largest operand or result.
       half_matmul_flop_share: the share of matmul/conv FLOPs in float16/bfloat16.
+      fp8_matmul_flop_share: the share of matmul/conv FLOPs with float8 operands
+        (`mixed_float8`; a float8 matmul's backward pass counts too).
+      fp8_left_out: when the program has float8 matmuls, `(dtype, reason,
+        where)` for every `dot_general` that does not run in float8: sizes
+        float8 GEMMs do not take (`jmp_policy.fp8.fp8_eligible`), or the dtype
+        it was left in (a float32 region, an override).
       misaligned: `(primitive, dtype, (K,), (M, N), where)` for every dot (or
         `(in channels,), (out channels,)` for every conv) with a size that is
         not a multiple of 8: tensor cores want multiples of 8.
@@ -122,6 +128,8 @@ class PrecisionReport:
     misaligned: tuple
     casts: int
     casts_inserted: int | None
+    fp8_matmul_flop_share: float = 0.0
+    fp8_left_out: tuple = ()
 
     @property
     def counts(self) -> dict[str, dict[str, int]]:
@@ -140,19 +148,27 @@ class PrecisionReport:
         half = sum(self.total(d) for d in HALF)
         lines = [
             f"matmul/conv FLOPs in half precision: {100 * self.half_matmul_flop_share:.1f}%",
+            *(
+                [f"matmul/conv FLOPs in float8: {100 * self.fp8_matmul_flop_share:.1f}%"]
+                if self.fp8_matmul_flop_share
+                else []
+            ),
             f"ops in half precision: {half}, in float32: {self.total('float32')}",
             f"casts: {self.casts}"
             + ("" if self.casts_inserted is None else f" ({self.casts_inserted} inserted)"),
             "",
-            f"{'primitive':<24}{'dtype':<10}{'count':>7}{'FLOPs':>14}",
+            f"{'primitive':<24}{'dtype':<15}{'count':>7}{'FLOPs':>14}",
         ]
-        lines += [f"{p:<24}{d:<10}{c:>7}{f:>14,}" for p, d, c, f in self.rows]
+        lines += [f"{p:<24}{d:<15}{c:>7}{f:>14,}" for p, d, c, f in self.rows]
         if self.misaligned:
             lines += ["", "matmuls/convs with sizes that are not multiples of 8:"]
             lines += [
                 f"  {p} {d} K={c} M,N={o} at {w or '(top level)'}"
                 for p, d, c, o, w in self.misaligned
             ]
+        if self.fp8_left_out:
+            lines += ["", "matmuls left out of float8:"]
+            lines += [f"  {d} at {w or '(top level)'}: {r}" for d, r, w in self.fp8_left_out]
         return "\n".join(lines)
 
 
@@ -171,7 +187,7 @@ def report_of_jaxpr(
     were inserted.
     """
     totals: dict = collections.defaultdict(lambda: [0, 0])
-    misaligned, half_flops, all_flops = [], 0, 0
+    misaligned, half_flops, fp8_flops, all_flops, not_fp8 = [], 0, 0, 0, []
     for eqn, times in _weighted_equations(jaxpr):
         if list(jaxprs_in_params(eqn.params)):
             continue  # a container (pjit, scan, ...): its body is counted instead
@@ -184,6 +200,11 @@ def report_of_jaxpr(
             all_flops += flops * times
             if dtype_name in HALF:
                 half_flops += flops * times
+            operand_dtypes = [getattr(_aval(v), "dtype", None) for v in eqn.invars[:2]]
+            if any(d is not None and d.itemsize == 1 and _is_float(d) for d in operand_dtypes):
+                fp8_flops += flops * times
+            elif name == "dot_general":
+                not_fp8.append(eqn)
             if any(s % 8 for s in (*contract, *outputs)):
                 where = str(eqn.source_info.name_stack)
                 misaligned.append((name, dtype_name, tuple(contract), tuple(outputs), where))
@@ -199,6 +220,7 @@ def report_of_jaxpr(
         totals[(name, dtype_name)][0] += times
         totals[(name, dtype_name)][1] += flops * times
     rows = sorted(((p, d, c, f) for (p, d), (c, f) in totals.items()), key=lambda r: (-r[3], r[0]))
+    left_out = tuple(_why_not_fp8(eqn) for eqn in not_fp8) if fp8_flops else ()
     casts = _convert_count(jaxpr)
     return PrecisionReport(
         rows=tuple(rows),
@@ -206,7 +228,22 @@ def report_of_jaxpr(
         misaligned=tuple(misaligned),
         casts=casts,
         casts_inserted=None if original is None else casts - _convert_count(original),
+        fp8_matmul_flop_share=fp8_flops / all_flops if all_flops else 0.0,
+        fp8_left_out=left_out,
     )
+
+
+def _is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _why_not_fp8(eqn: JaxprEqn) -> tuple[str, str, str]:
+    from jmp_policy.fp8 import fp8_eligible
+
+    dtype = jnp.dtype(compute_dtype(eqn) or np.float32).name
+    lhs, rhs = _aval(eqn.invars[0]).shape, _aval(eqn.invars[1]).shape
+    reason = fp8_eligible(lhs, rhs, eqn.params["dimension_numbers"])
+    return dtype, reason or f"left in {dtype}", str(eqn.source_info.name_stack)
 
 
 def precision_report(

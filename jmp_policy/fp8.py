@@ -112,6 +112,29 @@ def _check_format(fmt: str) -> str:
     return fmt
 
 
+# float8 matmuls need a contraction (K) and an output width (N) that are
+# multiples of 16 (what fp8 GEMMs accept); smaller ones gain nothing and stay
+# in bfloat16.
+_FP8_MULTIPLE = 16
+
+
+def fp8_eligible(lhs_shape: tuple, rhs_shape: tuple, dimension_numbers: Any) -> str | None:
+    """None if a `dot_general` of these shapes runs in float8 under `mixed_float8`, else why not.
+
+    Examples:
+      >>> from jmp_policy.fp8 import fp8_eligible
+      >>> fp8_eligible((32, 64), (64, 10), (((1,), (0,)), ((), ())))
+      'N (output width) = 10 is not a multiple of 16'
+    """
+    (_, rhs_contract), (_, rhs_batch) = dimension_numbers
+    k = int(np.prod([rhs_shape[d] for d in rhs_contract]))
+    n = int(np.prod([s for d, s in enumerate(rhs_shape) if d not in (*rhs_contract, *rhs_batch)]))
+    for what, size in (("K (contraction)", k), ("N (output width)", n)):
+        if size < _FP8_MULTIPLE or size % _FP8_MULTIPLE:
+            return f"{what} = {size} is not a multiple of {_FP8_MULTIPLE}"
+    return None
+
+
 def fp8_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,

@@ -8,8 +8,15 @@ import pytest
 from flax.linen import fp8_ops
 
 import jmp_policy as jmp
-from jmp_policy.autocast import fp8_eligible
-from jmp_policy.fp8 import E4M3, E5M2, compute_scale, fp8_dot_general, fp8_max, quantize
+from jmp_policy.fp8 import (
+    E4M3,
+    E5M2,
+    compute_scale,
+    fp8_dot_general,
+    fp8_eligible,
+    fp8_max,
+    quantize,
+)
 
 MATMUL = (((1,), (0,)), ((), ()))
 
@@ -250,3 +257,29 @@ def test_mlp_trains_under_mixed_float8_as_under_mixed_bfloat16():
     assert final["float32"] < 0.2  # it learned (from 2.3), and is still learning
     # float8 matmuls end within 10% of bfloat16's loss (measured: 0.0686 against 0.0657).
     assert final["mixed_float8"] < 1.10 * final["mixed_bfloat16"]
+
+
+def test_precision_report_gives_the_float8_share_and_the_matmuls_left_out():
+    params = {
+        "w1": _values(5, (64, 128), 0.1),
+        "w2": _values(6, (128, 64), 0.1),
+        "head": _values(7, (64, 10), 0.1),
+    }
+    x = _values(8, (32, 64), 1.0)
+
+    def loss(params, x):
+        h = jax.nn.relu(x @ params["w1"])
+        h = jmp.full_precision(lambda h: h @ params["w2"])(h)  # kept in float32 on purpose
+        return jax.nn.logsumexp(h @ params["head"], axis=-1).mean()
+
+    report = jmp.precision_report(jmp.autocast(loss, "mixed_float8"), params, x)
+    print(report)
+    # FLOPs: 2*32*64*128 in float8, as many in float32, 2*32*64*10 in bfloat16.
+    assert report.fp8_matmul_flop_share == pytest.approx(524288 / (2 * 524288 + 40960))
+    assert [(d, r) for d, r, _ in report.fp8_left_out] == [
+        ("float32", "left in float32"),
+        ("bfloat16", "N (output width) = 10 is not a multiple of 16"),
+    ]
+    assert "matmul/conv FLOPs in float8: 48.1%" in str(report)
+    plain = jmp.precision_report(jmp.autocast(loss, "mixed_bfloat16"), params, x)
+    assert plain.fp8_matmul_flop_share == 0.0 and plain.fp8_left_out == ()
