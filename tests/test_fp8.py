@@ -1,4 +1,6 @@
-"""float8 matmuls with current scaling: the math, checked against float32 and Flax."""
+"""float8 matmuls: the math, checked against float32 and Flax, and delayed-scaling state."""
+
+import functools
 
 import jax
 import jax.extend
@@ -11,10 +13,13 @@ import jmp_policy as jmp
 from jmp_policy.fp8 import (
     E4M3,
     E5M2,
+    DelayedScaling,
     compute_scale,
     fp8_dot_general,
+    fp8_dot_general_delayed,
     fp8_eligible,
     fp8_max,
+    next_state,
     quantize,
 )
 
@@ -283,3 +288,128 @@ def test_precision_report_gives_the_float8_share_and_the_matmuls_left_out():
     assert "matmul/conv FLOPs in float8: 48.1%" in str(report)
     plain = jmp.precision_report(jmp.autocast(loss, "mixed_bfloat16"), params, x)
     assert plain.fp8_matmul_flop_share == 0.0 and plain.fp8_left_out == ()
+
+
+def _flax_fp8_step(op, variables, x, w, cotangent):
+    """One step of Flax's Fp8DirectDotGeneralOp: output, input grads, and its new fp8 state.
+
+    Flax returns the new state in place of the gradient of its
+    `_overwrite_with_gradient` collection.
+    """
+
+    def loss(x, w, fp8):
+        y = op.apply({"_overwrite_with_gradient": fp8}, x, w, MATMUL)
+        return (y * cotangent).sum(), y
+
+    (_, y), (dx, dw, fp8) = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(x, w, variables)
+    return y, dx, dw, fp8
+
+
+def test_delayed_scaling_equals_flax_over_steps():
+    # Amaxes whose scales are powers of two, so Flax's division by the
+    # reciprocal scale and our multiplication agree exactly.
+    recipe = DelayedScaling(history_length=4)
+    state = recipe.init()
+    w = _values(1, (16, 8), 1.75)
+    op = fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=4)
+    flax_state = op.init(jax.random.key(0), _values(0, (4, 16), 1.0), w, MATMUL)
+    flax_state = flax_state["_overwrite_with_gradient"]
+
+    @jax.jit
+    def ours(state, x, w, cotangent):
+        (out, new_state), vjp = jax.vjp(
+            lambda x, w, s: fp8_dot_general_delayed(x, w, MATMUL, s, recipe), x, w, state
+        )
+        dx, dw, state_grads = vjp((cotangent, jax.tree.map(jnp.zeros_like, new_state)))
+        return out, dx, dw, next_state(new_state, state_grads, recipe)
+
+    for step, (x_amax, g_amax) in enumerate([(3.5, 0.875), (7.0, 0.4375), (3.5, 1.75)]):
+        x, cotangent = _values(10 + step, (4, 16), x_amax), _values(20 + step, (4, 8), g_amax)
+        out, dx, dw, state = ours(state, x, w, cotangent)
+        y, fdx, fdw, flax_state = _flax_fp8_step(op, flax_state, x, w, cotangent)
+        for ours_value, theirs in ((out, y), (dx, fdx), (dw, fdw)):
+            np.testing.assert_array_equal(ours_value, theirs)
+        metas = {"input": state.lhs, "kernel": state.rhs, "output_grad": state.grad}
+        for name, ours_meta in metas.items():
+            np.testing.assert_array_equal(
+                ours_meta.amax_history, flax_state[f"{name}_amax_history"]
+            )
+            # Flax keeps the reciprocal (the dequantization scale).
+            np.testing.assert_array_equal(1.0 / ours_meta.scale, flax_state[f"{name}_scale"][0])
+    print("histories after 3 steps:", state.lhs.amax_history, state.grad.amax_history)
+    assert float(state.lhs.scale) == 64.0  # 448 / max(3.5, 7.0): the history's max
+    np.testing.assert_array_equal(state.grad.amax_history, [1.75, 0.0, 0.875, 0.4375])
+
+
+@pytest.mark.standard_promotion
+def test_delayed_state_threads_through_scan_jit_donation_and_loss_scaling():
+    import optax
+
+    layers, recipe = 3, DelayedScaling(history_length=8, amax_from="most_recent")
+    params = jnp.stack([_values(30 + i, (32, 32), 0.5 / (i + 1)) for i in range(layers)])
+    fp8_state = jax.tree.map(lambda *s: jnp.stack(s), *[recipe.init() for _ in range(layers)])
+    x = _values(40, (8, 32), 1.0)
+    tx = jmp.loss_scaling(optax.sgd(1e-3), jmp.DynamicLossScale(2.0**4))
+
+    def loss_fn(params, fp8_state, scale):
+        def layer(h, p_s):
+            p, s = p_s
+            h, s = fp8_dot_general_delayed(h, p, MATMUL, s, recipe)
+            return jnp.tanh(h), s
+
+        h, fp8_state = jax.lax.scan(layer, x, (params, fp8_state))  # one state per layer
+        return scale.scale((h**2).mean()), fp8_state
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def step(params, fp8_state, opt_state):
+        scale = jmp.get_loss_scale(opt_state)
+        (_, new_state), (grads, state_grads) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True
+        )(params, fp8_state, scale)
+        fp8_state = next_state(new_state, state_grads, recipe)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), fp8_state, opt_state
+
+    opt_state = tx.init(params)
+    for _ in range(3):
+        params, fp8_state, opt_state = step(params, fp8_state, opt_state)
+    kernel_amax = fp8_state.rhs.amax_history[:, 0]
+    print("per-layer kernel amax:", kernel_amax, "grad amax:", fp8_state.grad.amax_history[:, 0])
+    # Each layer records its own kernel's amax (0.5, 0.25, 0.1667 before 3 tiny SGD steps) ...
+    np.testing.assert_allclose(kernel_amax, [0.5, 0.25, 0.5 / 3], rtol=1e-3)
+    # ... three steps of history (Flax's layout: the latest at 0, the one
+    # before at the end), and scales from the amax before the latest (most_recent).
+    history = fp8_state.rhs.amax_history
+    assert ((history > 0).sum(axis=1) == 3).all()
+    np.testing.assert_allclose(fp8_state.rhs.scale, 448.0 / history[:, -1], rtol=1e-6)
+    # The output gradients' amaxes came back through the backward pass.
+    assert ((fp8_state.grad.amax_history > 0).sum(axis=1) == 3).all()
+    assert int(opt_state.applied_steps) == 3
+
+
+def test_delayed_scaling_recipe_is_validated_when_built():
+    with pytest.raises(ValueError, match="`history_length`"):
+        DelayedScaling(history_length=0)
+    with pytest.raises(ValueError, match="`amax_from`.*'most_recent'"):
+        DelayedScaling(amax_from="mean")
+    with pytest.raises(ValueError, match="`fmt`"):
+        DelayedScaling(fmt="e5m2")
+    with pytest.raises(TypeError, match="`recipe`"):
+        fp8_dot_general_delayed(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL, None, "delayed")  # type: ignore[arg-type]
+
+
+def test_delayed_state_round_trips_through_an_orbax_checkpoint(tmp_path):
+    import orbax.checkpoint as ocp
+
+    recipe = DelayedScaling(history_length=4)
+    x, w = _values(0, (4, 16), 3.5), _values(1, (16, 16), 1.75)
+    _, state = fp8_dot_general_delayed(x, w, MATMUL, recipe.init(), recipe)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "fp8", state)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(
+            tmp_path / "fp8", jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        )
+    assert isinstance(restored, type(state))
+    jax.tree.map(np.testing.assert_array_equal, restored, state)
+    np.testing.assert_array_equal(restored.lhs.amax_history, [3.5, 0.0, 0.0, 0.0])
