@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax.core import unfreeze
 
 from jmp_policy.overrides import FLOAT32, Overrides
-from jmp_policy.policy import Policy, check_policy, is_floating_array
+from jmp_policy.policy import Policy, check_castable, check_policy, is_floating_array
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
     {
@@ -48,8 +48,11 @@ class MixedPrecisionModule:
                 f"Expected a flax.linen.Module for `module`, got {type(module).__name__}."
             )
         self.module = module
-        self.policy = check_policy(policy)
+        where = "jmp_policy.linen.mixed_precision"
+        self.policy = check_castable(check_policy(policy), "policy", where)
         self.overrides = Overrides(overrides, nn.Module)
+        for key, value in [*self.overrides.classes, *self.overrides.patterns]:
+            check_castable(value, f"overrides[{key!r}]", where)
         # Module path -> the policy it runs under, learnt from a trace (abstract,
         # so it costs no compute); needed to cast each parameter for its module.
         self._path_policies: dict[Any, dict[tuple[str, ...], Policy]] = {}
@@ -273,6 +276,7 @@ def mixed_precision(
       TypeError: `module` is not a Linen module, `policy` or an override value
         is not a `Policy`, or an override key is neither a Module class nor a
         pattern.
+      ValueError: a policy computes in float8 (use `autocast` for float8 matmuls).
 
     Examples:
       >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_policy.overrides import FLOAT32, Overrides
-from jmp_policy.policy import Policy, check_policy
+from jmp_policy.policy import Policy, check_castable, check_policy
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
     {
@@ -85,6 +85,7 @@ def mixed_precision(
 
     Raises:
       TypeError: `model` is not an NNX module, or `policy`/`overrides` are malformed.
+      ValueError: a policy computes in float8 (use `autocast` for float8 matmuls).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -97,8 +98,11 @@ def mixed_precision(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"Expected a flax.nnx.Module for `model`, got {type(model).__name__}.")
-    policy = check_policy(policy)
+    where = "jmp_policy.nnx.mixed_precision"
+    policy = check_castable(check_policy(policy), "policy", where)
     rules = Overrides(overrides, nnx.Module)
+    for key, value in [*rules.classes, *rules.patterns]:
+        check_castable(value, f"overrides[{key!r}]", where)
     modules = {
         tuple(str(p) for p in path): node
         for path, node in nnx.iter_graph(model)

@@ -343,6 +343,24 @@ def check_policy(policy: Any, argument: str = "policy") -> Policy:
     return policy
 
 
+def check_castable(policy: Policy, argument: str, where: str) -> Policy:
+    """`policy`, unless its compute dtype is float8, which casting cannot use.
+
+    Casting parameters and activations to float8 without a scale loses most of
+    them (e4m3 tops out at 448 with 3 mantissa bits), so `where` (an
+    integration that casts) refuses it and points to `autocast`, which casts
+    only matmul operands, each with its own scale.
+    """
+    if policy.compute_dtype.itemsize == 1:
+        raise ValueError(
+            f"`{argument}` computes in {policy.compute_dtype.name}: {where} casts parameters and "
+            "activations to the compute dtype, which float8 cannot hold without a scale. Run "
+            "float8 matmuls through autocast instead, e.g. "
+            "`jmp_policy.autocast(model.apply, 'mixed_float8')`, or pick 'mixed_bfloat16' here."
+        )
+    return policy
+
+
 def cast_to_full(tree: T) -> T:
     """Casts the floating leaves of `tree` to float32."""
     return _cast_floating(tree, np.dtype(np.float32))

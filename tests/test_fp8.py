@@ -413,3 +413,20 @@ def test_delayed_state_round_trips_through_an_orbax_checkpoint(tmp_path):
     assert isinstance(restored, type(state))
     jax.tree.map(np.testing.assert_array_equal, restored, state)
     np.testing.assert_array_equal(restored.lhs.amax_history, [3.5, 0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_flax_integrations_refuse_float8_and_point_to_autocast(api):
+    # Not built yet for float8: casting parameters to e4m3 without a scale
+    # would silently destroy them, so it is refused where it is asked for.
+    from flax import linen as nn
+    from flax import nnx
+
+    if api == "linen":
+        wrap, model = jmp.linen.mixed_precision, nn.Dense(4)
+    else:
+        wrap, model = jmp.nnx.mixed_precision, nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"`policy` computes in float8_e4m3fn.*autocast"):
+        wrap(model, "mixed_float8")
+    with pytest.raises(ValueError, match=r"`overrides\['Dense'\]` computes in float8"):
+        wrap(model, "mixed_bfloat16", {"Dense": jmp.get_policy("mixed_float8")})
