@@ -39,6 +39,7 @@ from jax.typing import ArrayLike, DTypeLike
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FORMATS = ("hybrid", "e4m3")
+SCALINGS = ("tensorwise", "rowwise")
 
 
 def fp8_max(dtype: DTypeLike) -> float:
@@ -146,6 +147,7 @@ def fp8_dot_general(
     dimension_numbers: Any,
     *,
     fmt: str = "hybrid",
+    scaling: str = "tensorwise",
     out_dtype: DTypeLike | None = None,
     power_of_two: bool = False,
 ) -> jax.Array:
@@ -164,12 +166,18 @@ def fp8_dot_general(
       rhs: the right operand.
       dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
       fmt: "hybrid" or "e4m3".
+      scaling: "tensorwise" (one scale per operand) or "rowwise" (one scale
+        per row of each operand, over the contracted dimensions: an outlier
+        row costs only its own precision). Rowwise re-quantizes the saved
+        high-precision operands for each backward matmul, along the
+        dimensions that one contracts, so it keeps them instead of their
+        float8 copies.
       out_dtype: the dtype of the result (default: `lhs`'s, and float32 if
         that is float8). The gradients come back in `lhs`'s and `rhs`'s dtypes.
       power_of_two: round the scales down to powers of two (exact scaling).
 
     Raises:
-      ValueError: an unknown `fmt`.
+      ValueError: an unknown `fmt` or `scaling`.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -183,8 +191,14 @@ def fp8_dot_general(
     if out_dtype is None:
         out_dtype = lhs.dtype if lhs.dtype.itemsize > 1 else np.dtype(np.float32)
     dimension_numbers = jax.tree.map(int, dimension_numbers)
+    if scaling not in SCALINGS:
+        raise ValueError(
+            f"Unknown `scaling` {scaling!r}: expected 'tensorwise' or 'rowwise' (for delayed "
+            "scaling, `fp8_dot_general_delayed`)."
+        )
     static = (fmt, np.dtype(out_dtype), power_of_two, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    return _fp8_dot(lhs, rhs, _hashable(dimension_numbers), static)
+    dot = _fp8_dot if scaling == "tensorwise" else _rowwise_dot
+    return dot(lhs, rhs, _hashable(dimension_numbers), static)
 
 
 def _hashable(dimension_numbers):
@@ -218,23 +232,92 @@ def _fp8_dot_bwd(dimension_numbers, static, residuals, g):
 
 def _transposes(q_g, q_lhs, q_rhs, dimension_numbers):
     """The two backward matmuls of a `dot_general`, on float8 operands, in float32."""
+    return (
+        _transpose(q_g, q_lhs, q_rhs, dimension_numbers, "lhs"),
+        _transpose(q_g, q_lhs, q_rhs, dimension_numbers, "rhs"),
+    )
+
+
+def _transpose(g, lhs, rhs, dimension_numbers, which):
+    """The gradient of `dot_general(lhs, rhs)` w.r.t. `which` for output gradient `g`.
+
+    Only the shapes of the operand being differentiated matter, so it also
+    gives the outer product of per-row scales in that operand's layout (with
+    size-1 dimensions where a scale was reduced).
+    """
     from flax.linen import fp8_ops  # the transposes of a dot_general, on any operand dtype
 
+    transpose = (
+        fp8_ops.dot_general_transpose_lhs if which == "lhs" else fp8_ops.dot_general_transpose_rhs
+    )
     # HIGHEST as Flax's fp8 ops: float8 operands either way, and on CPU the
     # same accumulation order as theirs.
-    highest, f32 = lax.Precision.HIGHEST, jnp.float32
-    d_lhs = fp8_ops.dot_general_transpose_lhs(
-        q_g, q_lhs, q_rhs, dimension_numbers=dimension_numbers, precision=highest,
-        preferred_element_type=f32,
+    return transpose(
+        g, lhs, rhs, dimension_numbers=dimension_numbers, precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
     )  # fmt: skip
-    d_rhs = fp8_ops.dot_general_transpose_rhs(
-        q_g, q_lhs, q_rhs, dimension_numbers=dimension_numbers, precision=highest,
-        preferred_element_type=f32,
-    )  # fmt: skip
-    return d_lhs, d_rhs
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def _free_dims(ndim: int, *taken) -> tuple[int, ...]:
+    used = {d for dims in taken for d in dims}
+    return tuple(d for d in range(ndim) if d not in used)
+
+
+def _rowwise(x: jax.Array, dtype: np.dtype, reduce: tuple, power_of_two: bool):
+    """Current scaling with one scale per slice: amax over the `reduce` dimensions (kept as 1)."""
+    if reduce:
+        amax = jnp.max(jnp.abs(x), axis=reduce, keepdims=True).astype(jnp.float32)
+    else:
+        amax = jnp.abs(x).astype(jnp.float32)
+    scale = compute_scale(amax, 1.0, dtype, power_of_two=power_of_two)
+    return quantize(x, dtype, scale), scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rowwise_dot(lhs, rhs, dimension_numbers, static):
+    return _rowwise_dot_fwd(lhs, rhs, dimension_numbers, static)[0]
+
+
+def _rowwise_dot_fwd(lhs, rhs, dimension_numbers, static):
+    _, out_dtype, power_of_two, _, _ = static
+    (lhs_contract, rhs_contract), _ = dimension_numbers
+    # One scale per row of each operand: its amax over the contracted dimensions.
+    q_lhs, s_lhs = _rowwise(lhs, E4M3, tuple(lhs_contract), power_of_two)
+    q_rhs, s_rhs = _rowwise(rhs, E4M3, tuple(rhs_contract), power_of_two)
+    out = lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=jnp.float32)
+    # The scales' outer product in the output's layout: the same dot_general,
+    # contracting dimensions of size 1.
+    scales = lax.dot_general(s_lhs, s_rhs, dimension_numbers, precision=lax.Precision.HIGHEST)
+    return (out / scales).astype(out_dtype), (lhs, rhs)
+
+
+def _rowwise_dot_bwd(dimension_numbers, static, residuals, g):
+    fmt, _, power_of_two, lhs_dtype, rhs_dtype = static
+    lhs, rhs = residuals
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    lhs_free = _free_dims(lhs.ndim, lhs_contract, lhs_batch)
+    rhs_free = _free_dims(rhs.ndim, rhs_contract, rhs_batch)
+    n_batch = len(lhs_batch)
+    out_lhs_free = tuple(range(n_batch, n_batch + len(lhs_free)))
+    out_rhs_free = tuple(range(n_batch + len(lhs_free), g.ndim))
+    g_dtype = E5M2 if fmt == "hybrid" else E4M3
+    # Each backward matmul contracts other dimensions than the forward one, so
+    # its operands are quantized again, per row of that contraction.
+    q_g, s_g = _rowwise(g, g_dtype, out_rhs_free, power_of_two)
+    q_r, s_r = _rowwise(rhs, E4M3, rhs_free, power_of_two)
+    d_lhs = _transpose(q_g, lhs, q_r, dimension_numbers, "lhs")
+    d_lhs = d_lhs / _transpose(s_g, lhs, s_r, dimension_numbers, "lhs")
+    q_g, s_g = _rowwise(g, g_dtype, out_lhs_free, power_of_two)
+    q_l, s_l = _rowwise(lhs, E4M3, lhs_free, power_of_two)
+    d_rhs = _transpose(q_g, q_l, rhs, dimension_numbers, "rhs")
+    d_rhs = d_rhs / _transpose(s_g, s_l, rhs, dimension_numbers, "rhs")
+    return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
+
+
+_rowwise_dot.defvjp(_rowwise_dot_fwd, _rowwise_dot_bwd)
 
 
 # Delayed scaling ----------------------------------------------------------------------------

@@ -430,3 +430,45 @@ def test_flax_integrations_refuse_float8_and_point_to_autocast(api):
         wrap(model, "mixed_float8")
     with pytest.raises(ValueError, match=r"`overrides\['Dense'\]` computes in float8"):
         wrap(model, "mixed_bfloat16", {"Dense": jmp.get_policy("mixed_float8")})
+
+
+def _rowwise_reference(x, dtype, axis):
+    """NumPy: one scale per slice (amax over `axis`), quantized values as float32, the scales."""
+    top = np.float32(fp8_max(dtype))
+    x = np.asarray(x, np.float32)
+    scale = top / np.abs(x).max(axis=axis, keepdims=True)
+    return _reference_qdq(x, dtype, scale), jnp.asarray(scale)
+
+
+def test_rowwise_forward_and_gradients_are_the_float32_reference_of_the_same_math():
+    x, w, g = _values(50, (16, 32), 2.0), _values(51, (32, 24), 0.5), _values(52, (16, 24), 3.0)
+    out, vjp = jax.vjp(jax.jit(lambda x, w: fp8_dot_general(x, w, MATMUL, scaling="rowwise")), x, w)
+    dx, dw = vjp(g)
+    # Forward: x per row (over K), w per column (over K).
+    qx, sx = _rowwise_reference(x, E4M3, 1)
+    qw, sw = _rowwise_reference(w, E4M3, 0)
+    np.testing.assert_array_equal(out, _float32_dot(qx, qw, sx, sw))
+    # dx = g @ w.T contracts N: g per row over N, w per row over N.
+    qg, sg = _rowwise_reference(g, E5M2, 1)
+    qw, sw = _rowwise_reference(w, E4M3, 1)
+    np.testing.assert_array_equal(dx, _float32_dot(qg, qw.T, sg, sw.T))
+    # dw = x.T @ g contracts M: x per column over M, g per column over M.
+    qx, sx = _rowwise_reference(x, E4M3, 0)
+    qg, sg = _rowwise_reference(g, E5M2, 0)
+    np.testing.assert_array_equal(dw, _float32_dot(qx.T, qg, sx.T, sg))
+
+
+def test_rowwise_keeps_the_rows_beside_an_outlier_row():
+    x = _values(53, (16, 32), 1.0).at[3].multiply(1e5)  # one row 100,000 times larger
+    w = _values(54, (32, 16), 1.0)
+    exact = x @ w
+    errors = {}
+    for scaling in ("tensorwise", "rowwise"):
+        out = fp8_dot_general(x, w, MATMUL, scaling=scaling)
+        error = np.delete(np.asarray(jnp.abs(out - exact)), 3, axis=0)
+        errors[scaling] = float(error.max() / np.abs(np.delete(np.asarray(exact), 3, axis=0)).max())
+    print(f"largest error on the other rows, relative to their largest value: {errors}")
+    # Tensorwise pushes the other rows into e4m3's subnormals; rowwise scales them alone.
+    assert errors["rowwise"] < 0.1 and errors["tensorwise"] > 5 * errors["rowwise"]
+    with pytest.raises(ValueError, match="`scaling`.*'rowwise'"):
+        fp8_dot_general(x, w, MATMUL, scaling="blockwise")
