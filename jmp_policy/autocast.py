@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jmp_policy.fp8 import fp8_dot_general, fp8_eligible
+from jmp_policy.fp8 import FORMATS, SCALINGS, fp8_dot_general, fp8_eligible
 from jmp_policy.policy import Policy, check_policy
 
 try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
@@ -113,14 +113,14 @@ class _Rules:
     output: np.dtype
     allow: frozenset
     deny: frozenset
-    # With a float8 compute dtype: eligible matmuls run as `fp8_dot_general`,
-    # and `compute` is bfloat16 for everything else.
-    fp8: bool = False
+    # With a float8 compute dtype: eligible matmuls run as `fp8_dot_general`
+    # with these (scaling, fmt), and `compute` is bfloat16 for everything else.
+    fp8: tuple[str, str] | None = None
 
     @classmethod
-    def of(cls, policy: Policy, allow: frozenset, deny: frozenset) -> _Rules:
+    def of(cls, policy: Policy, allow: frozenset, deny: frozenset, fp8: tuple[str, str]) -> _Rules:
         if policy.compute_dtype.itemsize == 1:  # float8: matmuls only
-            return cls(np.dtype(jnp.bfloat16), policy.output_dtype, allow, deny, fp8=True)
+            return cls(np.dtype(jnp.bfloat16), policy.output_dtype, allow, deny, fp8=fp8)
         return cls(policy.compute_dtype, policy.output_dtype, allow, deny)
 
 
@@ -254,8 +254,12 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
         lhs, rhs = invals
         dimension_numbers = eqn.params["dimension_numbers"]
         if fp8_eligible(lhs.shape, rhs.shape, dimension_numbers) is None:
+            scaling, fmt = rules.fp8
             with _source_context(eqn):
-                return [fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=rules.compute)]
+                out = fp8_dot_general(
+                    lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling, out_dtype=rules.compute
+                )
+            return [out]
     if name in rules.allow:
         target = rules.compute
         invals = [_cast(x, target) for x in invals]
@@ -445,6 +449,8 @@ def autocast(
     deny: Iterable[str] = DENY,
     static_argnums: int | Iterable[int] | None = None,
     static_argnames: str | Iterable[str] | None = None,
+    fp8_scaling: str = "tensorwise",
+    fp8_format: str = "hybrid",
 ) -> Callable:
     """Runs `fun` with matmuls in half precision and fragile ops in float32.
 
@@ -467,6 +473,10 @@ def autocast(
         `DENY | {"tanh"}` keeps `tanh` in float32 too.
       static_argnums: positions of arguments that are static (hashable).
       static_argnames: names of keyword arguments that are static.
+      fp8_scaling: with a float8 policy (`"mixed_float8"`), how the matmul
+        operands are scaled: "tensorwise" or "rowwise" (current scaling,
+        `jmp_policy.fp8.fp8_dot_general`). Ignored otherwise.
+      fp8_format: with a float8 policy, "hybrid" (e5m2 gradients) or "e4m3".
 
     Returns:
       The autocast function.
@@ -492,7 +502,15 @@ def autocast(
     both = sorted(allow & deny)
     if both:
         raise ValueError(f"Primitives {both} are in both `allow` and `deny`; pick one.")
-    rules = _Rules.of(policy, allow, deny)
+    if fp8_scaling not in SCALINGS:
+        raise ValueError(
+            f"Unknown `fp8_scaling` {fp8_scaling!r}: expected one of {', '.join(SCALINGS)}."
+        )
+    if fp8_format not in FORMATS:
+        raise ValueError(
+            f"Unknown `fp8_format` {fp8_format!r}: expected 'hybrid' (e5m2 gradients) or 'e4m3'."
+        )
+    rules = _Rules.of(policy, allow, deny, (fp8_scaling, fp8_format))
     return _Autocast(
         fun,
         rules,

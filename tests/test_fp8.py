@@ -472,3 +472,24 @@ def test_rowwise_keeps_the_rows_beside_an_outlier_row():
     assert errors["rowwise"] < 0.1 and errors["tensorwise"] > 5 * errors["rowwise"]
     with pytest.raises(ValueError, match="`scaling`.*'rowwise'"):
         fp8_dot_general(x, w, MATMUL, scaling="blockwise")
+
+
+def test_autocast_fp8_scaling_and_format_options():
+    params, x = _mlp_params(), _values(3, (32, 64), 2.0)
+
+    def loss(params, x):
+        return jax.nn.logsumexp(_mlp(params, x), axis=-1).mean()
+
+    exact = loss(params, x)
+    for scaling in ("tensorwise", "rowwise"):
+        for fmt in ("hybrid", "e4m3"):
+            cast = jmp.autocast(loss, "mixed_float8", fp8_scaling=scaling, fp8_format=fmt)
+            value, grads = jax.jit(jax.value_and_grad(cast))(params, x)
+            np.testing.assert_allclose(value, exact, rtol=0.02)
+            counts = jmp.precision_report(jax.grad(cast), params, x).counts["dot_general"]
+            gradient_dtype = "float8_e5m2" if fmt == "hybrid" else "float8_e4m3fn"
+            assert counts.get(gradient_dtype, 0) >= 4, counts
+    with pytest.raises(ValueError, match="`fp8_scaling`"):
+        jmp.autocast(loss, "mixed_float8", fp8_scaling="delayed")
+    with pytest.raises(ValueError, match="`fp8_format`"):
+        jmp.autocast(loss, "mixed_float8", fp8_format="e5m2")
