@@ -1,25 +1,42 @@
-"""GPU benchmark: a GPT-style transformer train step in float32, bfloat16 and float16.
+"""GPU benchmark: a GPT-style transformer train step in float32, bfloat16, float16 and float8.
 
-12 layers, d=768, 12 heads, sequence 1024 (GPT-2 small's shape), AdamW. Three
+12 layers, d=768, 12 heads, sequence 1024 (GPT-2 small's shape), AdamW. Four
 configurations, each in its own process so peak memory is its own:
 
 - float32;
 - mixed_bfloat16 (float32 master weights, bfloat16 compute, float32 norms);
-- mixed_float16 + dynamic loss scaling (`jmp_policy.loss_scaling`).
+- mixed_float16 + dynamic loss scaling (`jmp_policy.loss_scaling`);
+- mixed_float8: the model's `apply` under `autocast(..., "mixed_float8")`
+  (float8 matmuls with current tensorwise scaling, bfloat16 elsewhere).
 
-Reports tokens/s, peak device memory (`memory_stats()`) and the speedup over
-float32. Exits with a message on machines without a GPU.
+Reports tokens/s, peak device memory (`memory_stats()`), the speedup over
+float32, and how many fp8 GEMMs (cuBLASLt float8 custom calls) the compiled
+step holds, so a silent fallback to bfloat16 is caught. Exits with a message
+on machines without a GPU (`--cpu-smoke` runs every configuration at a tiny
+size on CPU instead, for the test suite).
 
     python benchmarks/gpu_transformer.py [--batch 8] [--steps 20] [--layers 12]
 """
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
 
-CONFIGS = ("float32", "mixed_bfloat16", "mixed_float16")
+CONFIGS = ("float32", "mixed_bfloat16", "mixed_float16", "mixed_float8")
+
+
+def fp8_gemms(hlo: str) -> int:
+    """How many GEMMs with float8 operands an optimized HLO module calls.
+
+    cuBLASLt's matmul custom calls (`__cublas$lt$matmul$f8`) and Triton GEMM
+    fusions, on a line that names a float8 type.
+    """
+    gemm = re.compile(r"__cublas\$lt\$matmul|__triton_gemm")
+    float8 = re.compile(r"f8e4m3fn|f8e5m2")
+    return sum(1 for line in hlo.splitlines() if gemm.search(line) and float8.search(line))
 
 
 def measure(config, args):
@@ -47,8 +64,13 @@ def measure(config, args):
                 x = Block()(x, mask)
             return nn.Dense(args.vocab)(nn.LayerNorm()(x))
 
-    policy = jmp.get_policy(config)
-    model = jmp.linen.mixed_precision(GPT(), policy)
+    if config == "mixed_float8":
+        # float8 runs through autocast (linen.mixed_precision casts, and refuses float8).
+        model = GPT()
+        apply = jmp.autocast(model.apply, config)
+    else:
+        model = jmp.linen.mixed_precision(GPT(), jmp.get_policy(config))
+        apply = model.apply
     tokens = jax.random.randint(jax.random.key(0), (args.batch, args.length + 1), 0, args.vocab)
     x, y = tokens[:, :-1], tokens[:, 1:]
     params = model.init(jax.random.key(1), x)["params"]
@@ -61,7 +83,7 @@ def measure(config, args):
         s = jmp.get_loss_scale(opt_state)
 
         def loss_fn(p):
-            logits = model.apply({"params": p}, x)
+            logits = apply({"params": p}, x)
             return s.scale(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
 
         grads = jax.grad(loss_fn)(params)
@@ -69,6 +91,7 @@ def measure(config, args):
         return optax.apply_updates(params, updates), opt_state
 
     step = jax.jit(step, donate_argnums=(0, 1))
+    hlo = step.lower(params, opt_state, x, y).compile().as_text()
     params, opt_state = step(params, opt_state, x, y)  # compile
     jax.block_until_ready(params)
     start = time.perf_counter()
@@ -85,6 +108,7 @@ def measure(config, args):
         "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
         "skipped": skipped,
         "device": jax.devices()[0].device_kind,
+        "fp8_gemms": fp8_gemms(hlo),
     }
 
 
@@ -93,14 +117,18 @@ def table(results) -> str:
     lines = [
         f"GPT-style train step on {base['device']}",
         "",
-        "| config | tokens/s | step ms | speedup vs float32 | peak memory GiB | memory vs float32 |",
-        "|---|---|---|---|---|---|",
+        "| config | tokens/s | step ms | speedup vs float32 | peak memory GiB | memory vs float32 "
+        "| fp8 GEMMs |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        fallback = (
+            " (none: fell back)" if r["config"] == "mixed_float8" and not r["fp8_gemms"] else ""
+        )
         lines.append(
             f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['peak_gib']:.2f} | "
-            f"{r['peak_gib'] / base['peak_gib']:.2f}x |"
+            f"{r['peak_gib'] / max(base['peak_gib'], 1e-9):.2f}x | {r['fp8_gemms']}{fallback} |"
         )
     return "\n".join(lines)
 
@@ -117,9 +145,19 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     import jax
+
+    if args.cpu_smoke:  # every configuration, tiny, in this process: the code paths run
+        for name, value in (("batch", 2), ("length", 16), ("dim", 32), ("heads", 2),
+                            ("layers", 1), ("vocab", 64), ("steps", 1)):  # fmt: skip
+            setattr(args, name, value)
+        results = [measure(config, args) for config in CONFIGS]
+        text = table(results)
+        print(text)
+        return results
 
     if jax.default_backend() != "gpu":
         print(

@@ -72,7 +72,8 @@ def main(argv=None):
         sections.append(
             "GPU: GPT-style transformer train step\n"
             "`benchmarks/gpu_transformer.py` (12 layers, d=768, seq 1024; float32 vs mixed_bfloat16 vs "
-            "mixed_float16 + loss scaling; tokens/s, peak memory, speedup): **still to be measured** — "
+            "mixed_float16 + loss scaling vs mixed_float8; tokens/s, peak memory, speedup, and the "
+            "fp8 GEMMs in the compiled step): **still to be measured** — "
             f"this run had no GPU (JAX backend: {jax.default_backend()})."
         )
 

@@ -112,6 +112,17 @@ def test_run_all_benchmarks_quick(tmp_path):
         assert float(row[3]) > 0 and float(row[5]) > 0
 
 
+def test_gpu_benchmark_configurations_run_tiny_on_cpu():
+    # Every configuration's code path, float8 included, at a tiny size; on CPU
+    # there is no cuBLASLt, so no fp8 GEMM, and the table says it fell back.
+    results = load("benchmarks/gpu_transformer.py").main(["--cpu-smoke"])
+    assert [r["config"] for r in results] == [
+        "float32", "mixed_bfloat16", "mixed_float16", "mixed_float8"
+    ]  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 and r["skipped"] == 0 for r in results)
+    assert [r["fp8_gemms"] for r in results] == [0, 0, 0, 0]
+
+
 def test_gpu_benchmark_exits_cleanly_without_gpu(capsys):
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present")
