@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,7 +35,14 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jmp_policy.fp8 import FORMATS, SCALINGS, fp8_dot_general, fp8_eligible
+from jmp_policy.fp8 import (
+    FORMATS,
+    FP8_EXCLUDE,
+    SCALINGS,
+    fp8_dot_general,
+    fp8_eligible,
+    fp8_excluded_by,
+)
 from jmp_policy.policy import Policy, check_policy
 
 try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
@@ -116,11 +124,20 @@ class _Rules:
     # With a float8 compute dtype: eligible matmuls run as `fp8_dot_general`
     # with these (scaling, fmt), and `compute` is bfloat16 for everything else.
     fp8: tuple[str, str] | None = None
+    fp8_exclude: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, policy: Policy, allow: frozenset, deny: frozenset, fp8: tuple[str, str]) -> _Rules:
+    def of(
+        cls,
+        policy: Policy,
+        allow: frozenset,
+        deny: frozenset,
+        fp8: tuple[str, str],
+        fp8_exclude: tuple[str, ...],
+    ) -> _Rules:
         if policy.compute_dtype.itemsize == 1:  # float8: matmuls only
-            return cls(np.dtype(jnp.bfloat16), policy.output_dtype, allow, deny, fp8=fp8)
+            compute = np.dtype(jnp.bfloat16)
+            return cls(compute, policy.output_dtype, allow, deny, fp8, fp8_exclude)
         return cls(policy.compute_dtype, policy.output_dtype, allow, deny)
 
 
@@ -253,7 +270,11 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
     if rules.fp8 and name == "dot_general" and name in rules.allow and len(floating) == 2:
         lhs, rhs = invals
         dimension_numbers = eqn.params["dimension_numbers"]
-        if fp8_eligible(lhs.shape, rhs.shape, dimension_numbers) is None:
+        outer = "" if _source_info is None else str(_source_info.current_name_stack())
+        where = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
+        if fp8_eligible(lhs.shape, rhs.shape, dimension_numbers) is None and (
+            fp8_excluded_by(where, rules.fp8_exclude) is None
+        ):
             scaling, fmt = rules.fp8
             with _source_context(eqn):
                 out = fp8_dot_general(
@@ -451,6 +472,7 @@ def autocast(
     static_argnames: str | Iterable[str] | None = None,
     fp8_scaling: str = "tensorwise",
     fp8_format: str = "hybrid",
+    fp8_exclude: Iterable[str] = FP8_EXCLUDE,
 ) -> Callable:
     """Runs `fun` with matmuls in half precision and fragile ops in float32.
 
@@ -477,6 +499,10 @@ def autocast(
         operands are scaled: "tensorwise" or "rowwise" (current scaling,
         `jmp_policy.fp8.fp8_dot_general`). Ignored otherwise.
       fp8_format: with a float8 policy, "hybrid" (e5m2 gradients) or "e4m3".
+      fp8_exclude: with a float8 policy, regular expressions for module names
+        (each matched against every component of a module path) whose
+        matmuls stay in bfloat16; default `jmp_policy.fp8.FP8_EXCLUDE`, the
+        logits head and the embedding. `()` puts every eligible matmul in float8.
 
     Returns:
       The autocast function.
@@ -510,7 +536,20 @@ def autocast(
         raise ValueError(
             f"Unknown `fp8_format` {fp8_format!r}: expected 'hybrid' (e5m2 gradients) or 'e4m3'."
         )
-    rules = _Rules.of(policy, allow, deny, (fp8_scaling, fp8_format))
+    if isinstance(fp8_exclude, str) or not all(isinstance(p, str) for p in fp8_exclude):
+        raise TypeError(
+            "Expected a tuple of regular expressions for `fp8_exclude`, e.g. ('head',), got "
+            f"{fp8_exclude!r}."
+        )
+    exclude = tuple(fp8_exclude)
+    for pattern in exclude:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(
+                f"Invalid regular expression {pattern!r} in `fp8_exclude`: {e}."
+            ) from e
+    rules = _Rules.of(policy, allow, deny, (fp8_scaling, fp8_format), exclude)
     return _Autocast(
         fun,
         rules,

@@ -238,12 +238,16 @@ def _is_float(dtype: Any) -> bool:
 
 
 def _why_not_fp8(eqn: JaxprEqn) -> tuple[str, str, str]:
-    from jmp_policy.fp8 import fp8_eligible
+    from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
 
     dtype = jnp.dtype(compute_dtype(eqn) or np.float32).name
     lhs, rhs = _aval(eqn.invars[0]).shape, _aval(eqn.invars[1]).shape
+    where = str(eqn.source_info.name_stack)
     reason = fp8_eligible(lhs, rhs, eqn.params["dimension_numbers"])
-    return dtype, reason or f"left in {dtype}", str(eqn.source_info.name_stack)
+    pattern = fp8_excluded_by(where)
+    if reason is None and pattern is not None and dtype == "bfloat16":
+        reason = f"module name matches {pattern!r} (autocast's default fp8_exclude)"
+    return dtype, reason or f"left in {dtype}", where
 
 
 def precision_report(

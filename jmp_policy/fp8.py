@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import jax
@@ -116,6 +117,27 @@ def _check_format(fmt: str) -> str:
             "gradients) or 'e4m3' (e4m3 everywhere)."
         )
     return fmt
+
+
+FP8_EXCLUDE = ("head", "lm_head", "logits", "[Ee]mbed.*")
+"""Module names whose matmuls stay in bfloat16 under `mixed_float8` (the logits head and the
+embedding, as TransformerEngine recipes leave them): regular expressions, each matched against
+every component of a module path."""
+
+
+def fp8_excluded_by(where: str, patterns: tuple[str, ...] = FP8_EXCLUDE) -> str | None:
+    """The first pattern that matches a component of the module path `where` ("a/b/c"), or None.
+
+    Examples:
+      >>> from jmp_policy.fp8 import fp8_excluded_by
+      >>> fp8_excluded_by("GPT/head"), fp8_excluded_by("GPT/Block_0/MultiHeadAttention_0/query")
+      ('head', None)
+    """
+    components = where.split("/")
+    for pattern in patterns:
+        if any(re.fullmatch(pattern, c) for c in components):
+            return pattern
+    return None
 
 
 # float8 matmuls need a contraction (K) and an output width (N) that are

@@ -493,3 +493,33 @@ def test_autocast_fp8_scaling_and_format_options():
         jmp.autocast(loss, "mixed_float8", fp8_scaling="delayed")
     with pytest.raises(ValueError, match="`fp8_format`"):
         jmp.autocast(loss, "mixed_float8", fp8_format="e5m2")
+
+
+def test_the_logits_head_and_embedding_stay_in_bfloat16_by_default():
+    from flax import linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(64, 32)(tokens)
+            x = nn.Dense(64)(nn.relu(nn.Dense(64)(x)))
+            return nn.Dense(64, name="head")(x)
+
+    model, tokens = Model(), jnp.zeros((4, 16), jnp.int32)
+    variables = model.init(jax.random.key(0), tokens)
+    report = jmp.precision_report(jmp.autocast(model.apply, "mixed_float8"), variables, tokens)
+    print(report.fp8_left_out)
+    # 64-wide: every matmul is eligible by size; the head is left out by name.
+    assert [(d, r, w.split("/")[-1]) for d, r, w in report.fp8_left_out] == [
+        ("bfloat16", "module name matches 'head' (autocast's default fp8_exclude)", "head")
+    ]
+    # FLOPs per token: 32x64 and 64x64 in float8, the 64x64 head in bfloat16.
+    assert report.fp8_matmul_flop_share == pytest.approx(
+        (32 * 64 + 64 * 64) / (32 * 64 + 2 * 64 * 64)
+    )
+    everything = jmp.autocast(model.apply, "mixed_float8", fp8_exclude=())
+    assert jmp.precision_report(everything, variables, tokens).fp8_matmul_flop_share == 1.0
+    with pytest.raises(ValueError, match="`fp8_exclude`"):
+        jmp.autocast(model.apply, "mixed_float8", fp8_exclude=("head(",))
+    with pytest.raises(TypeError, match="`fp8_exclude`"):
+        jmp.autocast(model.apply, "mixed_float8", fp8_exclude="head")
