@@ -13,6 +13,7 @@ It prints a summary table and writes two plots: the loss curves and the loss
 scale's trajectory with skipped steps marked. About 2 minutes on 2 CPU cores (124 s measured):
 
     python examples/demo.py [--steps 300] [--policies float32,mixed_float16,mixed_bfloat16]
+    python examples/demo.py --policies float32,mixed_bfloat16,mixed_float8  # float8 matmuls
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Run:
     val_loss: float = float("nan")
     step_ms: float = float("nan")
     half_share: float = 0.0
+    fp8_share: float = 0.0
     skipped: int = 0
     final_scale: float = 1.0
 
@@ -98,7 +100,13 @@ def batches(ids, batch, length, seed):
 
 def train(policy_name, train_ids, val_ids, vocab, args):
     policy = jmp.get_policy(policy_name)
-    model = jmp.linen.mixed_precision(LanguageModel(vocab, length=args.length), policy)
+    if policy.compute_dtype.itemsize == 1:
+        # float8 matmuls run through autocast, which scales each operand.
+        model = LanguageModel(vocab, length=args.length)
+        apply = jmp.autocast(model.apply, policy)
+    else:
+        model = jmp.linen.mixed_precision(LanguageModel(vocab, length=args.length), policy)
+        apply = model.apply
     data = batches(train_ids, args.batch, args.length, seed=0)
     x, _ = next(batches(train_ids, args.batch, args.length, seed=0))
     params = model.init(jax.random.key(0), x)["params"]
@@ -118,7 +126,7 @@ def train(policy_name, train_ids, val_ids, vocab, args):
     opt_state = tx.init(params)
 
     def loss_fn(params, x, y):
-        logits = model.apply({"params": params}, x)
+        logits = apply({"params": params}, x).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     @jax.jit
@@ -143,6 +151,7 @@ def train(policy_name, train_ids, val_ids, vocab, args):
     run = Run(policy_name, [], [], [])
     report = jmp.precision_report(lambda p: jax.grad(loss_fn)(p, x, x), params)
     run.half_share = report.half_matmul_flop_share
+    run.fp8_share = report.fp8_matmul_flop_share
     bar = tqdm(range(args.steps), desc=f"{policy_name:>15}", disable=args.quiet, ncols=110)
     history = []
     start = None
@@ -249,7 +258,8 @@ def plot(runs, out):
 def summary(runs) -> str:
     lines = [
         f"{'policy':<16}{'train loss':>11}{'val loss':>10}{'vs f32':>8}{'skipped':>9}{'final scale':>13}"
-        f"{'step ms':>9}{'half matmul FLOPs':>19}",
+        f"{'step ms':>9}{'half matmul FLOPs':>19}"
+        + (f"{'fp8 matmul FLOPs':>18}" if any(r.fp8_share for r in runs) else ""),
     ]
     base = next((r.val_loss for r in runs if r.policy == "float32"), None)
     for r in runs:
@@ -258,6 +268,7 @@ def summary(runs) -> str:
         lines.append(
             f"{r.policy:<16}{train_loss:>11.4f}{r.val_loss:>10.4f}{rel:>8}{r.skipped:>9}{format_scale(r.final_scale):>13}"
             f"{r.step_ms:>9.1f}{100 * r.half_share:>18.0f}%"
+            + (f"{100 * r.fp8_share:>17.0f}%" if any(r.fp8_share for r in runs) else "")
         )
     return "\n".join(lines)
 
