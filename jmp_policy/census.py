@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
 
+from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
+
 MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 
 
@@ -200,8 +202,7 @@ def report_of_jaxpr(
             all_flops += flops * times
             if dtype_name in HALF:
                 half_flops += flops * times
-            operand_dtypes = [getattr(_aval(v), "dtype", None) for v in eqn.invars[:2]]
-            if any(d is not None and d.itemsize == 1 and _is_float(d) for d in operand_dtypes):
+            if dtype.itemsize == 1:  # float8 operands (the widest is float8)
                 fp8_flops += flops * times
             elif name == "dot_general":
                 not_fp8.append(eqn)
@@ -233,13 +234,7 @@ def report_of_jaxpr(
     )
 
 
-def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
 def _why_not_fp8(eqn: JaxprEqn) -> tuple[str, str, str]:
-    from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
-
     dtype = jnp.dtype(compute_dtype(eqn) or np.float32).name
     lhs, rhs = _aval(eqn.invars[0]).shape, _aval(eqn.invars[1]).shape
     where = str(eqn.source_info.name_stack)

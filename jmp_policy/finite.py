@@ -132,7 +132,8 @@ def leaf_max_abs(tree: chex.ArrayTree) -> jax.Array:
         magnitudes = jnp.where(jnp.isnan(stacked), jnp.inf, jnp.abs(stacked))
         parts.append(jnp.max(magnitudes, axis=1, initial=0).astype(dtype))
         order += positions
-    others = [i for i in range(len(leaves)) if i not in set(order)]
+    grouped = set(order)
+    others = [i for i in range(len(leaves)) if i not in grouped]
     parts.append(jnp.zeros(len(others), dtype))
     return jnp.concatenate(parts)[np.argsort(order + others)]
 

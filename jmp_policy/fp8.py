@@ -210,22 +210,26 @@ def fp8_dot_general(
              [1.5, 1.5, 1.5, 1.5]], dtype=float32)
     """
     _check_format(fmt)
-    if out_dtype is None:
-        out_dtype = lhs.dtype if lhs.dtype.itemsize > 1 else np.dtype(np.float32)
-    dimension_numbers = jax.tree.map(int, dimension_numbers)
+    dimension_numbers, out_dtype = _dot_arguments(lhs, dimension_numbers, out_dtype)
     if scaling not in SCALINGS:
         raise ValueError(
             f"Unknown `scaling` {scaling!r}: expected 'tensorwise' or 'rowwise' (for delayed "
             "scaling, `fp8_dot_general_delayed`)."
         )
-    static = (fmt, np.dtype(out_dtype), power_of_two, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    static = (fmt, out_dtype, power_of_two, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     dot = _fp8_dot if scaling == "tensorwise" else _rowwise_dot
-    return dot(lhs, rhs, _hashable(dimension_numbers), static)
+    return dot(lhs, rhs, dimension_numbers, static)
 
 
-def _hashable(dimension_numbers):
+def _dot_arguments(lhs, dimension_numbers, out_dtype):
+    """Dimension numbers as nested tuples of ints (hashable, static), and the result dtype."""
     (lc, rc), (lb, rb) = dimension_numbers
-    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+    dimension_numbers = tuple(
+        tuple(tuple(int(d) for d in ds) for ds in pair) for pair in ((lc, rc), (lb, rb))
+    )
+    if out_dtype is None:
+        out_dtype = lhs.dtype if lhs.dtype.itemsize > 1 else np.dtype(np.float32)
+    return dimension_numbers, np.dtype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -237,8 +241,7 @@ def _fp8_dot_fwd(lhs, rhs, dimension_numbers, static):
     _, out_dtype, power_of_two, _, _ = static
     q_lhs, s_lhs = _current(lhs, E4M3, power_of_two)
     q_rhs, s_rhs = _current(rhs, E4M3, power_of_two)
-    out = lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=jnp.float32)
-    out = (out / (s_lhs * s_rhs)).astype(out_dtype)
+    out = _dequantized_dot(q_lhs, s_lhs, q_rhs, s_rhs, dimension_numbers, out_dtype)
     return out, (q_lhs, s_lhs, q_rhs, s_rhs)
 
 
@@ -246,18 +249,27 @@ def _fp8_dot_bwd(dimension_numbers, static, residuals, g):
     fmt, _, power_of_two, lhs_dtype, rhs_dtype = static
     q_lhs, s_lhs, q_rhs, s_rhs = residuals
     q_g, s_g = _current(g, E5M2 if fmt == "hybrid" else E4M3, power_of_two)
-    d_lhs, d_rhs = _transposes(q_g, q_lhs, q_rhs, dimension_numbers)
-    d_lhs = (d_lhs / (s_g * s_rhs)).astype(lhs_dtype)
-    d_rhs = (d_rhs / (s_g * s_lhs)).astype(rhs_dtype)
-    return d_lhs, d_rhs
-
-
-def _transposes(q_g, q_lhs, q_rhs, dimension_numbers):
-    """The two backward matmuls of a `dot_general`, on float8 operands, in float32."""
-    return (
-        _transpose(q_g, q_lhs, q_rhs, dimension_numbers, "lhs"),
-        _transpose(q_g, q_lhs, q_rhs, dimension_numbers, "rhs"),
+    return _dequantized_grads(
+        (q_g, s_g), (q_lhs, s_lhs), (q_rhs, s_rhs), dimension_numbers, (lhs_dtype, rhs_dtype)
     )
+
+
+def _dequantized_dot(q_lhs, s_lhs, q_rhs, s_rhs, dimension_numbers, out_dtype):
+    """The float8 matmul with float32 accumulation, divided by its operands' (scalar) scales."""
+    out = lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=jnp.float32)
+    return (out / (s_lhs * s_rhs)).astype(out_dtype)
+
+
+def _dequantized_grads(g, lhs, rhs, dimension_numbers, dtypes):
+    """The two backward matmuls on float8 operands, each divided by its operands' scales.
+
+    `g`, `lhs`, `rhs` are (float8 values, scalar scale) pairs; `dtypes` the
+    gradients' dtypes.
+    """
+    (q_g, s_g), (q_lhs, s_lhs), (q_rhs, s_rhs) = g, lhs, rhs
+    d_lhs = _transpose(q_g, q_lhs, q_rhs, dimension_numbers, "lhs") / (s_g * s_rhs)
+    d_rhs = _transpose(q_g, q_lhs, q_rhs, dimension_numbers, "rhs") / (s_g * s_lhs)
+    return d_lhs.astype(dtypes[0]), d_rhs.astype(dtypes[1])
 
 
 def _transpose(g, lhs, rhs, dimension_numbers, which):
@@ -492,12 +504,10 @@ def fp8_dot_general_delayed(
         raise TypeError(
             f"Expected a jmp_policy.fp8.DelayedScaling for `recipe`, got {type(recipe).__name__}."
         )
-    if out_dtype is None:
-        out_dtype = lhs.dtype if lhs.dtype.itemsize > 1 else np.dtype(np.float32)
-    dimension_numbers = _hashable(jax.tree.map(int, dimension_numbers))
+    dimension_numbers, out_dtype = _dot_arguments(lhs, dimension_numbers, out_dtype)
     lhs_meta = recipe.advance(state.lhs, _amax(lhs), E4M3)
     rhs_meta = recipe.advance(state.rhs, _amax(rhs), E4M3)
-    static = (recipe, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    static = (recipe, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     out: jax.Array = _delayed_dot(  # pyright: ignore[reportAssignmentType]
         lhs, rhs, lhs_meta.scale, rhs_meta.scale, state.grad, state.grad_amax,
         dimension_numbers, static,
@@ -532,8 +542,7 @@ def _delayed_dot_fwd(
 ):
     _, out_dtype, _, _ = static
     q_lhs, q_rhs = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
-    out = lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=jnp.float32)
-    out = (out / (lhs_scale * rhs_scale)).astype(out_dtype)
+    out = _dequantized_dot(q_lhs, lhs_scale, q_rhs, rhs_scale, dimension_numbers, out_dtype)
     return out, (q_lhs, lhs_scale, q_rhs, rhs_scale, grad_meta, grad_amax)
 
 
@@ -543,9 +552,9 @@ def _delayed_dot_bwd(dimension_numbers, static, residuals, g):
     amax = _amax(g)
     s_g = recipe.advance(grad_meta, amax, recipe.grad_dtype).scale
     q_g = quantize(g, recipe.grad_dtype, s_g)
-    d_lhs, d_rhs = _transposes(q_g, q_lhs, q_rhs, dimension_numbers)
-    d_lhs = (d_lhs / (s_g * s_rhs)).astype(lhs_dtype)
-    d_rhs = (d_rhs / (s_g * s_lhs)).astype(rhs_dtype)
+    d_lhs, d_rhs = _dequantized_grads(
+        (q_g, s_g), (q_lhs, s_lhs), (q_rhs, s_rhs), dimension_numbers, (lhs_dtype, rhs_dtype)
+    )
     zeros = jax.tree.map(jnp.zeros_like, (s_lhs, s_rhs, grad_meta))
     return d_lhs, d_rhs, *zeros, amax.astype(grad_amax.dtype)
 
