@@ -43,7 +43,7 @@ from jmp_policy.fp8 import (
     fp8_eligible,
     fp8_excluded_by,
 )
-from jmp_policy.policy import Policy, check_policy
+from jmp_policy.policy import Policy, casting_policy, check_policy
 
 try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
     from jax._src import source_info_util as _source_info
@@ -136,7 +136,7 @@ class _Rules:
         fp8_exclude: tuple[str, ...],
     ) -> _Rules:
         if policy.compute_dtype.itemsize == 1:  # float8: matmuls only
-            compute = np.dtype(jnp.bfloat16)
+            compute = casting_policy(policy).compute_dtype
             return cls(compute, policy.output_dtype, allow, deny, fp8, fp8_exclude)
         return cls(policy.compute_dtype, policy.output_dtype, allow, deny)
 

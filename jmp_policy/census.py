@@ -241,7 +241,7 @@ def _why_not_fp8(eqn: JaxprEqn) -> tuple[str, str, str]:
     reason = fp8_eligible(lhs, rhs, eqn.params["dimension_numbers"])
     pattern = fp8_excluded_by(where)
     if reason is None and pattern is not None and dtype == "bfloat16":
-        reason = f"module name matches {pattern!r} (autocast's default fp8_exclude)"
+        reason = f"module name matches {pattern!r} (jmp_policy.fp8.FP8_EXCLUDE, the default)"
     return dtype, reason or f"left in {dtype}", where
 
 

@@ -210,15 +210,90 @@ def fp8_dot_general(
              [1.5, 1.5, 1.5, 1.5]], dtype=float32)
     """
     _check_format(fmt)
+    _check_scaling(scaling)
     dimension_numbers, out_dtype = _dot_arguments(lhs, dimension_numbers, out_dtype)
+    static = (fmt, out_dtype, power_of_two, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    dot = _fp8_dot if scaling == "tensorwise" else _rowwise_dot
+    return dot(lhs, rhs, dimension_numbers, static)
+
+
+def _check_scaling(scaling: str) -> str:
     if scaling not in SCALINGS:
         raise ValueError(
             f"Unknown `scaling` {scaling!r}: expected 'tensorwise' or 'rowwise' (for delayed "
             "scaling, `fp8_dot_general_delayed`)."
         )
-    static = (fmt, out_dtype, power_of_two, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    dot = _fp8_dot if scaling == "tensorwise" else _rowwise_dot
-    return dot(lhs, rhs, dimension_numbers, static)
+    return scaling
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8DotGeneral:
+    """A `dot_general` for Flax layers: float8 where a float8 GEMM takes the shapes.
+
+    Pass it as the `dot_general` of `flax.linen.Dense`/`DenseGeneral` or
+    `flax.nnx.Linear`/`LinearGeneral`; `linen.mixed_precision` and
+    `nnx.mixed_precision` put it on every such layer that falls under a
+    float8 policy (`"mixed_float8"`), except the logits head and the
+    embedding (`FP8_EXCLUDE`). A matmul whose K and N are multiples of 16
+    (`fp8_eligible`) runs as `fp8_dot_general` with current scaling (no
+    state to thread); any other runs as `lax.dot_general` in the operands'
+    dtype. The result comes out in `preferred_element_type` if given, else
+    in the left operand's dtype (bfloat16 under `mixed_float8`). Frozen and
+    hashable, as Flax module attributes must be.
+
+    Attributes:
+      fmt: "hybrid" (e5m2 gradients) or "e4m3".
+      scaling: "tensorwise" or "rowwise".
+      power_of_two: round the scales down to powers of two.
+
+    Raises:
+      ValueError: an unknown `fmt` or `scaling`.
+      TypeError: `power_of_two` is not a bool.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> from jmp_policy.fp8 import Fp8DotGeneral
+      >>> layer = nn.Dense(32, dot_general=Fp8DotGeneral())
+      >>> x = jnp.ones((2, 64), jnp.bfloat16)
+      >>> variables = layer.init(jax.random.key(0), x)
+      >>> layer.apply(variables, x).dtype
+      dtype(bfloat16)
+    """
+
+    fmt: str = "hybrid"
+    scaling: str = "tensorwise"
+    power_of_two: bool = False
+
+    def __post_init__(self):
+        _check_format(self.fmt)
+        _check_scaling(self.scaling)
+        if not isinstance(self.power_of_two, bool):
+            raise TypeError(
+                f"Expected True or False for `power_of_two`, got {self.power_of_two!r}."
+            )
+
+    def __call__(
+        self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
+    ):
+        placed = any(v is not None for v in kwargs.values())  # e.g. nnx's out_sharding
+        if placed or fp8_eligible(lhs.shape, rhs.shape, dimension_numbers) is not None:
+            return lax.dot_general(
+                lhs,
+                rhs,
+                dimension_numbers,
+                precision=precision,
+                preferred_element_type=preferred_element_type,
+                **kwargs,
+            )
+        return fp8_dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            fmt=self.fmt,
+            scaling=self.scaling,
+            out_dtype=preferred_element_type,
+            power_of_two=self.power_of_two,
+        )
 
 
 def _dot_arguments(lhs, dimension_numbers, out_dtype):

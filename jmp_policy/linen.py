@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax.core import unfreeze
 
+from jmp_policy.fp8 import Fp8DotGeneral, fp8_excluded_by
 from jmp_policy.overrides import FLOAT32, Overrides
-from jmp_policy.policy import Policy, check_castable, check_policy, is_floating_array
+from jmp_policy.policy import Policy, casting_policy, check_policy, is_floating_array
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
     {
@@ -48,11 +49,8 @@ class MixedPrecisionModule:
                 f"Expected a flax.linen.Module for `module`, got {type(module).__name__}."
             )
         self.module = module
-        where = "jmp_policy.linen.mixed_precision"
-        self.policy = check_castable(check_policy(policy), "policy", where)
+        self.policy = check_policy(policy)
         self.overrides = Overrides(overrides, nn.Module)
-        for key, value in [*self.overrides.classes, *self.overrides.patterns]:
-            check_castable(value, f"overrides[{key!r}]", where)
         # Module path -> the policy it runs under, learnt from a trace (abstract,
         # so it costs no compute); needed to cast each parameter for its module.
         self._path_policies: dict[Any, dict[tuple[str, ...], Policy]] = {}
@@ -87,10 +85,12 @@ class MixedPrecisionModule:
                     return next_fun(*args, **kwargs)
                 finally:
                     self._stack.pop()
-            _softmax_in_float32(module, policy)
+            _fp8_matmuls(module, policy, path)
+            cast = casting_policy(policy)
+            _softmax_in_float32(module, cast)
             self._stack.append(policy)
             try:
-                out = next_fun(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
+                out = next_fun(*cast.cast_to_compute(args), **cast.cast_to_compute(kwargs))
             finally:
                 self._stack.pop()
             if path and args and not isinstance(module.parent, nn.Module):
@@ -116,7 +116,7 @@ class MixedPrecisionModule:
     def _cast_params(self, params, path_policies, to: str):
         def cast(path, leaf):
             keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
-            policy = self._module_policy(path_policies, keys[:-1])
+            policy = casting_policy(self._module_policy(path_policies, keys[:-1]))
             return getattr(policy, f"cast_to_{to}")(leaf)
 
         return jax.tree_util.tree_map_with_path(cast, params)
@@ -234,6 +234,26 @@ def _softmax_in_float32(module: nn.Module, policy: Policy) -> None:
         object.__setattr__(module, custom[1], lambda: _weights_in_value_dtype)
 
 
+def _fp8_matmuls(module: nn.Module, policy: Policy, path: tuple[str, ...]) -> None:
+    """Under a float8 policy, a Dense-like layer multiplies in float8 (`Fp8DotGeneral`).
+
+    Only layers that take a `dot_general` and were given none, and not the
+    logits head or the embedding (`jmp_policy.fp8.FP8_EXCLUDE`, matched
+    against the module path). The bound module is a per-call clone, so the
+    user's module is untouched.
+    """
+    fields = getattr(module, "__dataclass_fields__", {})
+    if (
+        policy.compute_dtype.itemsize != 1
+        or "dot_general" not in fields
+        or module.dot_general is not None
+        or getattr(module, "dot_general_cls", None) is not None
+        or fp8_excluded_by("/".join(path)) is not None
+    ):
+        return
+    object.__setattr__(module, "dot_general", Fp8DotGeneral())
+
+
 def _call_key(method, args, kwargs) -> Any:
     """What decides which modules a call reaches: the method, the arguments'
     structure, array shapes and dtypes, and the values of everything else
@@ -261,9 +281,15 @@ def mixed_precision(
 
     Args:
       module: any `flax.linen.Module` (Flax's layers or your own).
-      policy: e.g. `jmp_policy.get_policy("mixed_float16")`.
+      policy: e.g. `jmp_policy.get_policy("mixed_float16")`. Under a float8
+        policy (`"mixed_float8"`) the model computes in bfloat16 and every
+        `Dense`/`DenseGeneral` multiplies in float8
+        (`jmp_policy.fp8.Fp8DotGeneral`: current scaling, no state), except
+        the logits head and the embedding (`jmp_policy.fp8.FP8_EXCLUDE`) and
+        matmuls too small for float8 GEMMs.
       overrides: `{module class | glob path pattern | compiled regex: Policy}`
-        for parts of the model that run under another policy. Default:
+        for parts of the model that run under another policy (which layers
+        run in float8, too). Default:
         `NORMS_IN_FLOAT32` (LayerNorm, BatchNorm, GroupNorm, RMSNorm,
         InstanceNorm in float32). Extend it with
         `{**NORMS_IN_FLOAT32, "head": jmp_policy.get_policy("float32")}`.
@@ -276,7 +302,6 @@ def mixed_precision(
       TypeError: `module` is not a Linen module, `policy` or an override value
         is not a `Policy`, or an override key is neither a Module class nor a
         pattern.
-      ValueError: a policy computes in float8 (use `autocast` for float8 matmuls).
 
     Examples:
       >>> import jax, jax.numpy as jnp, flax.linen as nn

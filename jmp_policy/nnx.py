@@ -18,9 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
+from jmp_policy.fp8 import Fp8DotGeneral, fp8_excluded_by
 from jmp_policy.overrides import FLOAT32, Overrides
-from jmp_policy.policy import Policy, check_castable, check_policy
+from jmp_policy.policy import Policy, casting_policy, check_policy
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
     {
@@ -74,10 +76,15 @@ def mixed_precision(
 
     Args:
       model: an `nnx.Module` (Flax's layers or your own).
-      policy: e.g. `jmp_policy.get_policy("mixed_float16")`.
+      policy: e.g. `jmp_policy.get_policy("mixed_float16")`. Under a float8
+        policy (`"mixed_float8"`) the model computes in bfloat16 and every
+        `Linear`/`LinearGeneral` multiplies in float8
+        (`jmp_policy.fp8.Fp8DotGeneral`: current scaling, no state), except
+        the logits head and the embedding (`jmp_policy.fp8.FP8_EXCLUDE`) and
+        matmuls too small for float8 GEMMs.
       overrides: `{module class | glob path pattern | compiled regex: Policy}`;
-        paths join attribute names with "/" (e.g. "blocks/0/attn"). Default:
-        `NORMS_IN_FLOAT32`.
+        paths join attribute names with "/" (e.g. "blocks/0/attn"). They
+        also choose which layers run in float8. Default: `NORMS_IN_FLOAT32`.
 
     Returns:
       `model`, changed in place (its class becomes a subclass that casts at
@@ -85,7 +92,6 @@ def mixed_precision(
 
     Raises:
       TypeError: `model` is not an NNX module, or `policy`/`overrides` are malformed.
-      ValueError: a policy computes in float8 (use `autocast` for float8 matmuls).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -98,11 +104,8 @@ def mixed_precision(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"Expected a flax.nnx.Module for `model`, got {type(model).__name__}.")
-    where = "jmp_policy.nnx.mixed_precision"
-    policy = check_castable(check_policy(policy), "policy", where)
+    policy = check_policy(policy)
     rules = Overrides(overrides, nnx.Module)
-    for key, value in [*rules.classes, *rules.patterns]:
-        check_castable(value, f"overrides[{key!r}]", where)
     modules = {
         tuple(str(p) for p in path): node
         for path, node in nnx.iter_graph(model)
@@ -112,9 +115,9 @@ def mixed_precision(
     for path in sorted(modules, key=len):  # parents before children
         parent = resolved.get(path[:-1], policy) if path else policy
         resolved[path] = rules.own_policy(path, modules[path]) or parent
-        _apply_to_module(modules[path], resolved[path])
+        _apply_to_module(modules[path], resolved[path], path)
     rules.warn_unmatched()
-    object.__setattr__(model, "_jmp_policy_root", resolved[()])
+    object.__setattr__(model, "_jmp_policy_root", casting_policy(resolved[()]))
     model.__class__ = _casting_class(type(model))
     return model
 
@@ -177,11 +180,13 @@ def attention_with_float32_softmax(
     )
 
 
-def _apply_to_module(module: nnx.Module, policy: Policy) -> None:
+def _apply_to_module(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> None:
     # setattr: Flax's layers declare these attributes, nnx.Module does not.
+    compute = casting_policy(policy).compute_dtype
     if hasattr(module, "dtype"):
-        setattr(module, "dtype", policy.compute_dtype)  # noqa: B010
-    half = policy.compute_dtype != jnp.float32
+        setattr(module, "dtype", compute)  # noqa: B010
+    _fp8_matmuls(module, policy, path)
+    half = compute != jnp.float32
     if half and getattr(module, "attention_fn", None) is nnx.dot_product_attention:
         setattr(module, "attention_fn", attention_with_float32_softmax)  # noqa: B010
     if hasattr(module, "param_dtype"):
@@ -189,3 +194,26 @@ def _apply_to_module(module: nnx.Module, policy: Policy) -> None:
     for value in vars(module).values():
         if isinstance(value, nnx.Param):
             value.set_value(policy.cast_to_param(value.get_value()))
+
+
+def _fp8_matmuls(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> None:
+    """Under a float8 policy, a Linear-like layer multiplies in float8 (`Fp8DotGeneral`).
+
+    Only layers with Flax's default `dot_general` (none given by the user),
+    and not the logits head or the embedding (`jmp_policy.fp8.FP8_EXCLUDE`,
+    matched against the path). A layer this function put in float8 gets
+    `lax.dot_general` back when it moves to another policy; a user's own
+    `Fp8DotGeneral` stays.
+    """
+    current = getattr(module, "dot_general", _ABSENT)
+    if current is _ABSENT or getattr(module, "dot_general_cls", None) is not None:
+        return
+    fp8 = policy.compute_dtype.itemsize == 1 and fp8_excluded_by("/".join(path)) is None
+    if fp8 and current in (None, lax.dot_general):
+        setattr(module, "dot_general", _POLICY_FP8_DOT)  # noqa: B010
+    elif not fp8 and current is _POLICY_FP8_DOT:
+        setattr(module, "dot_general", lax.dot_general)  # noqa: B010
+
+
+_ABSENT = object()
+_POLICY_FP8_DOT = Fp8DotGeneral()  # told apart from a user's by identity

@@ -343,21 +343,23 @@ def check_policy(policy: Any, argument: str = "policy") -> Policy:
     return policy
 
 
-def check_castable(policy: Policy, argument: str, where: str) -> Policy:
-    """`policy`, unless its compute dtype is float8, which casting cannot use.
+def casting_policy(policy: Policy) -> Policy:
+    """The policy an integration that casts (Linen, NNX) casts with.
 
-    Casting parameters and activations to float8 without a scale loses most of
-    them (e4m3 tops out at 448 with 3 mantissa bits), so `where` (an
-    integration that casts) refuses it and points to `autocast`, which casts
-    only matmul operands, each with its own scale.
+    `policy` itself, except that a float8 compute dtype becomes bfloat16:
+    float8 cannot hold parameters and activations without a scale (e4m3 tops
+    out at 448 with 3 mantissa bits), so under `mixed_float8` everything is
+    cast to bfloat16 and only the matmuls quantize their operands to float8,
+    each with its own scale (`jmp_policy.fp8.Fp8DotGeneral`).
+
+    Examples:
+      >>> import jmp_policy as jmp
+      >>> from jmp_policy.policy import casting_policy
+      >>> print(casting_policy(jmp.get_policy("mixed_float8")))
+      params=float32,compute=bfloat16,output=float32
     """
     if policy.compute_dtype.itemsize == 1:
-        raise ValueError(
-            f"`{argument}` computes in {policy.compute_dtype.name}: {where} casts parameters and "
-            "activations to the compute dtype, which float8 cannot hold without a scale. Run "
-            "float8 matmuls through autocast instead, e.g. "
-            "`jmp_policy.autocast(model.apply, 'mixed_float8')`, or pick 'mixed_bfloat16' here."
-        )
+        return policy.with_compute_dtype(jnp.bfloat16)
     return policy
 
 

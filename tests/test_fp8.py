@@ -14,6 +14,7 @@ from jmp_policy.fp8 import (
     E4M3,
     E5M2,
     DelayedScaling,
+    Fp8DotGeneral,
     compute_scale,
     fp8_dot_general,
     fp8_dot_general_delayed,
@@ -415,21 +416,148 @@ def test_delayed_state_round_trips_through_an_orbax_checkpoint(tmp_path):
     np.testing.assert_array_equal(restored.lhs.amax_history, [3.5, 0.0, 0.0, 0.0])
 
 
-@pytest.mark.parametrize("api", ["linen", "nnx"])
-def test_flax_integrations_refuse_float8_and_point_to_autocast(api):
-    # Not built yet for float8: casting parameters to e4m3 without a scale
-    # would silently destroy them, so it is refused where it is asked for.
+def _linen_model(fp8_layers):
+    """Dense 32->64, LayerNorm, Dense 64->64, a 64-wide head; Fp8DotGeneral given by hand?"""
     from flax import linen as nn
+
+    dot = Fp8DotGeneral() if fp8_layers else None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.LayerNorm()(nn.Dense(64, dot_general=dot)(x)))
+            x = nn.Dense(64, dot_general=dot)(x)
+            return nn.Dense(64, name="head")(x)
+
+    return Model()
+
+
+def _dot_dtypes(fn, *args):
+    return jmp.precision_report(fn, *args).counts["dot_general"]
+
+
+def test_linen_mixed_float8_puts_the_dense_layers_in_float8():
+    x = _values(60, (16, 32), 3.0)
+    mixed = jmp.linen.mixed_precision(_linen_model(False), jmp.get_policy("mixed_float8"))
+    variables = mixed.init(jax.random.key(0), x)
+    assert {a.dtype for a in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
+    # The same model with Fp8DotGeneral written in by hand, under mixed_bfloat16.
+    by_hand = jmp.linen.mixed_precision(_linen_model(True), jmp.get_policy("mixed_bfloat16"))
+
+    def loss(apply, params):
+        return jnp.mean(apply({"params": params}, x) ** 2)
+
+    ours = jax.jit(jax.value_and_grad(functools.partial(loss, mixed.apply)))(variables["params"])
+    theirs = jax.jit(jax.value_and_grad(functools.partial(loss, by_hand.apply)))(
+        variables["params"]
+    )
+    jax.tree.map(np.testing.assert_array_equal, ours, theirs)  # bit for bit
+    assert ours[0].dtype == jnp.float32
+    forward = _dot_dtypes(lambda p: mixed.apply({"params": p}, x), variables["params"])
+    both = _dot_dtypes(jax.grad(functools.partial(loss, mixed.apply)), variables["params"])
+    print(f"forward dots: {forward}; with the backward pass: {both}")
+    # Two Dense layers in float8; the head (left out by name) in bfloat16.
+    assert forward == {"float8_e4m3fn": 2, "bfloat16": 1}
+    assert both["float8_e5m2"] == 4 and both["float8_e4m3fn"] == 2 and both["bfloat16"] == 3
+    report = jmp.precision_report(lambda p: mixed.apply({"params": p}, x), variables["params"])
+    # FLOPs per row: 32x64 and 64x64 in float8, the 64x64 head in bfloat16.
+    assert report.fp8_matmul_flop_share == pytest.approx(
+        (32 * 64 + 64 * 64) / (32 * 64 + 2 * 64 * 64)
+    )
+    assert [r for _, r, _ in report.fp8_left_out] == [
+        "module name matches 'head' (jmp_policy.fp8.FP8_EXCLUDE, the default)"
+    ]
+    # Overrides choose the layers: Dense_1 back in bfloat16.
+    fewer = jmp.linen.mixed_precision(
+        _linen_model(False),
+        jmp.get_policy("mixed_float8"),
+        {**jmp.linen.NORMS_IN_FLOAT32, "Dense_1": jmp.get_policy("mixed_bfloat16")},
+    )
+    assert _dot_dtypes(lambda p: fewer.apply({"params": p}, x), variables["params"]) == {
+        "float8_e4m3fn": 1,
+        "bfloat16": 2,
+    }
+
+
+def test_linen_mixed_float8_under_nn_scan_and_remat():
+    from flax import linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.Dense(32)(nn.relu(nn.Dense(64)(nn.LayerNorm()(x)))), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scanned = nn.scan(
+                nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
+            x, _ = scanned()(x, None)
+            return x
+
+    x = _values(61, (8, 32), 2.0)
+    mixed = jmp.linen.mixed_precision(Stack(), jmp.get_policy("mixed_float8"))
+    variables = mixed.init(jax.random.key(0), x)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(mixed.apply({"params": p}, x) ** 2)))(
+        variables["params"]
+    )
+    assert all(jnp.isfinite(g).all() and g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    counts = _dot_dtypes(lambda p: mixed.apply({"params": p}, x), variables["params"])
+    print(counts)
+    assert counts == {"float8_e4m3fn": 2 * 3}  # two Dense layers, counted per scanned step
+
+
+def test_nnx_mixed_float8_puts_the_linear_layers_in_float8():
     from flax import nnx
 
-    if api == "linen":
-        wrap, model = jmp.linen.mixed_precision, nn.Dense(4)
-    else:
-        wrap, model = jmp.nnx.mixed_precision, nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"`policy` computes in float8_e4m3fn.*autocast"):
-        wrap(model, "mixed_float8")
-    with pytest.raises(ValueError, match=r"`overrides\['Dense'\]` computes in float8"):
-        wrap(model, "mixed_bfloat16", {"Dense": jmp.get_policy("mixed_float8")})
+    class Model(nnx.Module):
+        def __init__(self, dot_general=jax.lax.dot_general):
+            rngs = nnx.Rngs(0)
+            self.up = nnx.Linear(32, 64, dot_general=dot_general, rngs=rngs)
+            self.norm = nnx.LayerNorm(64, rngs=rngs)
+            self.down = nnx.Linear(64, 64, dot_general=dot_general, rngs=rngs)
+            self.head = nnx.Linear(64, 64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.down(nnx.relu(self.norm(self.up(x)))))
+
+    x = _values(62, (16, 32), 3.0)
+    model = jmp.nnx.mixed_precision(Model(), "mixed_float8")
+    by_hand = jmp.nnx.mixed_precision(Model(Fp8DotGeneral()), "mixed_bfloat16")
+    assert model.up.kernel[...].dtype == jnp.float32 and model.up.dtype == jnp.bfloat16
+    assert isinstance(model.up.dot_general, Fp8DotGeneral)
+    assert model.head.dot_general is jax.lax.dot_general  # left out by name
+    assert isinstance(by_hand.up.dot_general, Fp8DotGeneral)  # the user's own stays
+
+    @nnx.jit
+    def value_and_grad(model):
+        return nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+
+    ours, theirs = value_and_grad(model), value_and_grad(by_hand)
+    jax.tree.map(np.testing.assert_array_equal, ours, theirs)
+    assert _dot_dtypes(lambda x: model(x), x) == {"float8_e4m3fn": 2, "bfloat16": 1}
+    # Moved back to bfloat16, the layers get lax.dot_general again.
+    jmp.nnx.mixed_precision(model, "mixed_bfloat16")
+    assert model.up.dot_general is jax.lax.dot_general
+    assert _dot_dtypes(lambda x: model(x), x) == {"bfloat16": 3}
+
+
+def test_fp8_dot_general_for_flax_layers():
+    x, w = _values(63, (16, 64), 2.0), _values(64, (64, 32), 1.0)
+    dot = Fp8DotGeneral()
+    np.testing.assert_array_equal(dot(x, w, MATMUL), fp8_dot_general(x, w, MATMUL))
+    # Too small for a float8 GEMM (N = 8): lax.dot_general in the operands' dtype.
+    small = dot(x, w[:, :8], MATMUL)
+    np.testing.assert_array_equal(small, jax.lax.dot_general(x, w[:, :8], MATMUL))
+    assert dot(x, w, MATMUL, preferred_element_type=jnp.bfloat16).dtype == jnp.bfloat16
+    assert hash(dot) == hash(Fp8DotGeneral())
+    with pytest.raises(ValueError, match="`scaling`"):
+        Fp8DotGeneral(scaling="blockwise")
+    with pytest.raises(ValueError, match="`fmt`"):
+        Fp8DotGeneral(fmt="e5m2")
+    with pytest.raises(TypeError, match="`power_of_two`"):
+        Fp8DotGeneral(power_of_two=1)
 
 
 def _rowwise_reference(x, dtype, axis):
@@ -511,7 +639,7 @@ def test_the_logits_head_and_embedding_stay_in_bfloat16_by_default():
     print(report.fp8_left_out)
     # 64-wide: every matmul is eligible by size; the head is left out by name.
     assert [(d, r, w.split("/")[-1]) for d, r, w in report.fp8_left_out] == [
-        ("bfloat16", "module name matches 'head' (autocast's default fp8_exclude)", "head")
+        ("bfloat16", "module name matches 'head' (jmp_policy.fp8.FP8_EXCLUDE, the default)", "head")
     ]
     # FLOPs per token: 32x64 and 64x64 in float8, the 64x64 head in bfloat16.
     assert report.fp8_matmul_flop_share == pytest.approx(
