@@ -132,6 +132,9 @@ def test_gpu_benchmark_configurations_run_tiny_on_cpu():
     ]  # fmt: skip
     assert all(r["tokens_per_s"] > 0 and r["skipped"] == 0 for r in results)
     assert [r["fp8_gemms"] for r in results] == [0, 0, 0, 0]
+    # The traced step asks for float8 on every Dense layer (the head left out).
+    print([round(r["fp8_share"], 3) for r in results])
+    assert [r["fp8_share"] > 0.5 for r in results] == [False, False, False, True]
 
 
 def test_gpu_benchmark_exits_cleanly_without_gpu(capsys):
