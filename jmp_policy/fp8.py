@@ -253,7 +253,7 @@ class Fp8DotGeneral:
     Examples:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
       >>> from jmp_policy.fp8 import Fp8DotGeneral
-      >>> layer = nn.Dense(32, dot_general=Fp8DotGeneral())
+      >>> layer = nn.Dense(32, dtype=jnp.bfloat16, dot_general=Fp8DotGeneral())
       >>> x = jnp.ones((2, 64), jnp.bfloat16)
       >>> variables = layer.init(jax.random.key(0), x)
       >>> layer.apply(variables, x).dtype
