@@ -37,7 +37,8 @@ What is here, by topic:
 - Diagnostics: `loss_scaling_report` (the scale, skips, which gradients held inf/NaN, and
   gradient statistics with `loss_scaling(..., stats_every=N)`), `check_loss_scaling`,
   `NonFiniteLossError`; `debug_precision` (per-layer statistics in a target dtype, the first
-  inf/NaN, advice), `PrecisionDebugReport`.
+  inf/NaN, advice), `PrecisionDebugReport`; `value_and_grad_with_stats` (the same statistics
+  inside a jitted train step), `PrecisionStats`.
 
 The guides and the API reference are in the repository's docs/ folder (`mkdocs serve`).
 """
@@ -50,7 +51,12 @@ from jmp_policy.autocast import DENY as AUTOCAST_DENY
 from jmp_policy.autocast import NO_HALF_KERNEL as AUTOCAST_NO_HALF_KERNEL
 from jmp_policy.autocast import autocast, full_precision
 from jmp_policy.census import PrecisionReport, precision_report
-from jmp_policy.debugger import PrecisionDebugReport, debug_precision
+from jmp_policy.debugger import (
+    PrecisionDebugReport,
+    PrecisionStats,
+    debug_precision,
+    value_and_grad_with_stats,
+)
 from jmp_policy.diagnostics import (
     LossScalingReport,
     NonFiniteLossError,
@@ -114,6 +120,7 @@ __all__ = (
     "Policy",
     "PrecisionDebugReport",
     "PrecisionReport",
+    "PrecisionStats",
     "StaticLossScale",
     "all_finite",
     "autocast",
@@ -134,5 +141,6 @@ __all__ = (
     "nnx",
     "precision_report",
     "select_tree",
+    "value_and_grad_with_stats",
     "value_and_scaled_grad",
 )

@@ -101,7 +101,7 @@ class PrecisionDebugReport:
       layers: one `LayerStats` per layer and direction, in the order first seen.
       origin: the first operation that made an inf/NaN from finite inputs, or None.
       nonfinite_inputs: argument paths that already held inf/NaN (passed through from the input).
-      loss: the loss value.
+      loss: the loss value (NaN when not given, as to `PrecisionStats.report()`).
     """
 
     dtype: str
@@ -112,9 +112,10 @@ class PrecisionDebugReport:
     loss: float
 
     def __str__(self) -> str:
+        loss = "" if math.isnan(self.loss) else f" (loss {self.loss:.6g})"
         lines = [
             f"precision of the loss's values in {self.dtype}, gradients at loss scale "
-            f"{self.loss_scale:g} (loss {self.loss:.6g})",
+            f"{self.loss_scale:g}{loss}",
             "",
             f"{'layer':<44}{'dir':<5}{'amax':>10}{'min>0':>10}{'range':>7}"
             f"{'under%':>8}{'over%':>7}{'headroom':>9}{'nan/inf%':>9}",
@@ -239,6 +240,9 @@ def _source(eqn: Any) -> str:
     return "(library code)"
 
 
+_MASK_MAGNITUDE = float(np.finfo(np.float32).max)
+
+
 class _Accumulator:
     def __init__(self, dtype: np.dtype, loss_scale: float):
         finfo = jnp.finfo(dtype)
@@ -249,11 +253,14 @@ class _Accumulator:
     def add(self, key: tuple[str, str], value: np.ndarray) -> None:
         x = np.abs(np.asarray(value, np.float64)).ravel()
         finite = np.isfinite(x)
-        xf = x[finite]
+        # float32's largest value is a masking constant (`jnp.finfo(jnp.float32).min`, as
+        # Flax's attention writes for -inf), not data: it would count as an overflow that
+        # compute-dtype masking never makes. Left out of every statistic.
+        xf = x[finite & (x < _MASK_MAGNITUDE)]
         nonzero = xf[xf > 0]
         scaled = nonzero * (self.loss_scale if key[1] == "backward" else 1.0)
         s = self.stats.setdefault(key, [0, 0.0, math.inf, 0, 0, 0, 0])
-        s[0] += x.size
+        s[0] += x.size - int((x[finite] >= _MASK_MAGNITUDE).sum())
         s[1] = max(s[1], float(xf.max()) if xf.size else 0.0)
         s[2] = min(s[2], float(nonzero.min()) if nonzero.size else math.inf)
         s[3] += int((scaled < self.tiny).sum())
@@ -262,26 +269,31 @@ class _Accumulator:
         s[6] += int((~finite).sum())
 
     def layers(self) -> tuple[LayerStats, ...]:
-        out = []
-        for (layer, direction), (count, amax, low, under, over, nonzero, bad) in self.stats.items():
-            scale = self.loss_scale if direction == "backward" else 1.0
-            headroom = math.log2(self.max / (amax * scale)) if amax > 0 else math.inf
-            finite_count = count - bad
-            out.append(
-                LayerStats(
-                    layer=layer,
-                    direction=direction,
-                    count=count,
-                    amax=amax,
-                    min_nonzero=low,
-                    dynamic_range=math.log2(amax / low) if amax > 0 and low < math.inf else 0.0,
-                    underflow=under / nonzero if nonzero else 0.0,
-                    overflow=over / finite_count if finite_count else 0.0,
-                    headroom=math.floor(headroom) if math.isfinite(headroom) else headroom,
-                    nonfinite=bad / count if count else 0.0,
-                )
+        return _layer_stats(self.stats, self.max, self.loss_scale)
+
+
+def _layer_stats(raw: dict, largest: float, loss_scale: float) -> tuple[LayerStats, ...]:
+    """`LayerStats` from accumulated `[count, amax, min>0, under, over, nonzero, non-finite]`."""
+    out = []
+    for (layer, direction), (count, amax, low, under, over, nonzero, bad) in raw.items():
+        scale = loss_scale if direction == "backward" else 1.0
+        headroom = math.log2(largest / (amax * scale)) if amax > 0 else math.inf
+        finite_count = count - bad
+        out.append(
+            LayerStats(
+                layer=layer,
+                direction=direction,
+                count=int(count),
+                amax=amax,
+                min_nonzero=low,
+                dynamic_range=math.log2(amax / low) if amax > 0 and low < math.inf else 0.0,
+                underflow=under / nonzero if nonzero else 0.0,
+                overflow=over / finite_count if finite_count else 0.0,
+                headroom=math.floor(headroom) if math.isfinite(headroom) else headroom,
+                nonfinite=bad / count if count else 0.0,
             )
-        return tuple(out)
+        )
+    return tuple(out)
 
 
 def _all_finite(values: Sequence[Any]) -> bool:
@@ -350,6 +362,17 @@ class _Interpreter:
             self.passed_on += 1
 
 
+def _target_dtype(dtype: DTypeLike) -> np.dtype:
+    try:
+        target = jnp.dtype(dtype)
+    except TypeError:
+        target = None
+    allowed = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32")
+    if target is None or target.name not in allowed:
+        raise TypeError(f"Expected one of {allowed} for `dtype`, got {dtype!r}.")
+    return target
+
+
 def debug_precision(
     loss_fn: Callable[..., Any],
     *args: Any,
@@ -384,13 +407,7 @@ def debug_precision(
       >>> report.advice()["loss_scale"]
       {'initial': 0.0625, 'hysteresis': 1}
     """
-    try:
-        target = jnp.dtype(dtype)
-    except TypeError:
-        target = None
-    allowed = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32")
-    if target is None or target.name not in allowed:
-        raise TypeError(f"Expected one of {allowed} for `dtype`, got {dtype!r}.")
+    target = _target_dtype(dtype)
     if not (isinstance(loss_scale, (int, float)) and loss_scale > 0 and math.isfinite(loss_scale)):
         raise ValueError(f"Expected a positive finite number for `loss_scale`, got {loss_scale!r}.")
     leaves = jax.tree_util.tree_leaves_with_path(args)
@@ -415,6 +432,191 @@ def debug_precision(
         nonfinite_inputs=bad_inputs,
         loss=float(np.asarray(outs[0])),
     )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrecisionStats:
+    """Per-layer statistics of a loss's forward values and gradients, computed inside the program.
+
+    Made by `value_and_grad_with_stats` (under `jit`, no host sync); `report()` reads them on
+    the host as a `PrecisionDebugReport` (`print` it, `.advice()`, `.plot(path)`). One float32
+    vector per statistic, one entry per `(layer, direction)` in `keys`.
+
+    Attributes:
+      collected: bool scalar: whether this call collected them (False: zeros).
+      count: how many values (masking constants left out).
+      amax: the largest finite magnitude.
+      min_nonzero: the smallest nonzero finite magnitude (inf if none).
+      underflow: how many nonzero values are below `dtype`'s smallest normal.
+      overflow: how many finite values are above `dtype`'s largest value.
+      nonzero: how many values are nonzero and finite.
+      nonfinite: how many values are inf or NaN.
+      keys: `((module path, "forward" | "backward"), ...)` (static).
+      dtype: the target dtype's name (static).
+    """
+
+    collected: jax.Array
+    count: jax.Array
+    amax: jax.Array
+    min_nonzero: jax.Array
+    underflow: jax.Array
+    overflow: jax.Array
+    nonzero: jax.Array
+    nonfinite: jax.Array
+    keys: tuple = dataclasses.field(metadata=dict(static=True))
+    dtype: str = dataclasses.field(metadata=dict(static=True))
+
+    def report(self, loss: float = math.nan) -> PrecisionDebugReport:
+        """The statistics as a `PrecisionDebugReport` (host-side; gradients judged as computed).
+
+        Args:
+          loss: the step's loss, shown in the report's heading.
+
+        Raises:
+          ValueError: these statistics were not collected (`collected` is False), or are
+            batched.
+        """
+        if not bool(np.asarray(jax.device_get(self.collected)).all()):
+            raise ValueError(
+                "These PrecisionStats were not collected (`collected` is False): read the ones "
+                "returned by a call with `collect=True`."
+            )
+        if np.shape(self.amax) != (len(self.keys),):
+            raise ValueError(
+                f"Expected one call's statistics (vectors of {len(self.keys)}), got shape "
+                f"{np.shape(self.amax)}: index a batched or stacked PrecisionStats first."
+            )
+        columns = [
+            np.asarray(jax.device_get(c), np.float64)
+            for c in (
+                self.count,
+                self.amax,
+                self.min_nonzero,
+                self.underflow,
+                self.overflow,
+                self.nonzero,
+                self.nonfinite,
+            )
+        ]
+        raw = {key: [float(c[i]) for c in columns] for i, key in enumerate(self.keys)}
+        return PrecisionDebugReport(
+            dtype=self.dtype,
+            loss_scale=1.0,
+            layers=_layer_stats(raw, float(jnp.finfo(self.dtype).max), 1.0),
+            origin=None,
+            nonfinite_inputs=(),
+            loss=float(loss),
+        )
+
+
+class _InProgram(_Interpreter):
+    """Runs a jaxpr on traced values, accumulating `PrecisionStats` columns with jnp."""
+
+    def __init__(self, dtype: np.dtype):
+        finfo = jnp.finfo(dtype)
+        self.tiny, self.max = float(finfo.smallest_normal), float(finfo.max)
+        self.dtype = dtype
+        self.raw: dict[tuple[str, str], list[jax.Array]] = {}
+
+    def _record(self, eqn: Any, stack: str, invals: list, outs: list) -> None:
+        key = _layer_and_direction(stack)
+        for value in outs:
+            if is_floating_array(value) and value.size:
+                self._add(key, value)
+
+    def _add(self, key: tuple[str, str], value: jax.Array) -> None:
+        x = jnp.abs(value.astype(jnp.float32)).ravel()
+        is_finite = jnp.isfinite(x)
+        masked = is_finite & (x >= _MASK_MAGNITUDE)
+        finite = is_finite & ~masked
+        nonzero = finite & (x > 0)
+        new = [
+            jnp.float32(x.size) - masked.sum(dtype=jnp.float32),
+            jnp.max(jnp.where(finite, x, 0.0)),
+            jnp.min(jnp.where(nonzero, x, jnp.inf)),
+            (nonzero & (x < self.tiny)).sum(dtype=jnp.float32),
+            (finite & (x > self.max)).sum(dtype=jnp.float32),
+            nonzero.sum(dtype=jnp.float32),
+            (~is_finite).sum(dtype=jnp.float32),
+        ]
+        old = self.raw.get(key)
+        if old is not None:
+            combine = (jnp.add, jnp.maximum, jnp.minimum, jnp.add, jnp.add, jnp.add, jnp.add)
+            new = [f(o, n) for f, o, n in zip(combine, old, new, strict=True)]
+        self.raw[key] = new
+
+    def stats(self) -> PrecisionStats:
+        keys = tuple(self.raw)
+        columns = [
+            jnp.stack([self.raw[k][i] for k in keys]) if keys else jnp.zeros((0,), jnp.float32)
+            for i in range(7)
+        ]
+        return PrecisionStats(jnp.asarray(True), *columns, keys=keys, dtype=self.dtype.name)
+
+
+def value_and_grad_with_stats(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    *,
+    dtype: DTypeLike = "float16",
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """`jax.value_and_grad(fun)` that also returns `PrecisionStats`, computed in the program.
+
+    The statistics of `debug_precision` (amax, smallest nonzero, underflow and overflow in
+    `dtype`, non-finite values, per module path and direction) collected inside a jitted
+    train step, with no host sync. The returned function takes `collect=`: True (the
+    default) collects; a traced bool such as `step % 100 == 0` collects under a `lax.cond`,
+    so the other steps compute only the value and gradients; False never collects. Code that
+    does not call this function is unchanged. Gradients are judged as computed: differentiate
+    the scaled loss to judge them at the loss scale.
+
+    Args:
+      fun: the loss, as for `jax.value_and_grad`.
+      argnums: which arguments to differentiate.
+      dtype: the dtype values are judged against ("float16", "bfloat16", "float8_e4m3fn",
+        "float8_e5m2" or "float32").
+      has_aux: as for `jax.value_and_grad`.
+
+    Returns:
+      `f(*args, collect=True) -> (value, grads, stats)` (`value` is `(loss, aux)` with
+      `has_aux`); read `stats.report()` on the host when `stats.collected`.
+
+    Raises:
+      TypeError: an unknown `dtype`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> f = jmp.value_and_grad_with_stats(lambda w: jnp.sum(jnp.exp(w * 12.0)))
+      >>> value, grads, stats = jax.jit(f)(jnp.ones(3))
+      >>> [(s.direction, s.headroom) for s in stats.report().layers]  # exp(12) > 65504
+      [('forward', -3), ('backward', -5)]
+    """
+    target = _target_dtype(dtype)
+    value_and_grad = jax.value_and_grad(fun, argnums, has_aux=has_aux)
+
+    def collecting(*args):
+        closed, shapes = jax.make_jaxpr(value_and_grad, return_shape=True)(*args)
+        interpreter = _InProgram(target)
+        outs = interpreter.run(closed.jaxpr, closed.consts, jax.tree.leaves(args), "")
+        value, grads = jax.tree.unflatten(jax.tree.structure(shapes), outs)
+        return value, grads, interpreter.stats()
+
+    def plain(*args):
+        value, grads = value_and_grad(*args)
+        empty = jax.eval_shape(collecting, *args)[2]
+        return value, grads, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), empty)
+
+    def wrapped(*args, collect: Any = True):
+        if collect is True:
+            return collecting(*args)
+        if collect is False:
+            return plain(*args)
+        return jax.lax.cond(collect, collecting, plain, *args)
+
+    return wrapped
 
 
 class GradientStats(NamedTuple):

@@ -1,5 +1,6 @@
 """Tests for jmp_policy.debugger: planted faults must be named, statistics must match NumPy."""
 
+import functools
 import math
 
 import flax.linen as nn
@@ -202,3 +203,100 @@ def test_statistics_during_training_every_n_steps_without_a_host_sync():
         jmp.loss_scaling(optax.sgd(1.0), jmp.NoOpLossScale(), stats_every=0)
     with pytest.raises(TypeError, match="`stats_dtype`"):
         jmp.loss_scaling(optax.sgd(1.0), jmp.NoOpLossScale(), stats_every=1, stats_dtype="int8")
+
+
+def test_activation_statistics_inside_a_jitted_step_every_n_steps():
+    model = Planted("overflow")
+    params = model.init(jax.random.key(1), X)["params"]
+    tx = optax.sgd(1e-2, momentum=0.9)
+
+    def loss(params, x):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
+
+    with_stats = jmp.value_and_grad_with_stats(loss, dtype="float16")
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, i):
+        value, grads, stats = with_stats(params, X, collect=i % 3 == 0)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, stats
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def plain_step(params, opt_state):
+        value, grads = jax.value_and_grad(loss)(params, X)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    ours = (jax.tree.map(jnp.copy, params), tx.init(params))
+    theirs = (jax.tree.map(jnp.copy, params), tx.init(params))
+    collected = []
+    for i in range(4):
+        *ours, value, stats = step(*ours, i)
+        *theirs, plain_value = plain_step(*theirs)
+        # Collecting changes nothing the step computes (XLA may fuse the branches of the
+        # cond differently from the plain step: equal up to float32 rounding).
+        np.testing.assert_allclose(value, plain_value, rtol=1e-6)
+        collected.append(bool(stats.collected))
+        if i == 3:
+            last = stats
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5), ours[0], theirs[0])
+    assert collected == [True, False, False, True]
+    report = last.report(loss=float(value))
+    print(f"\n{report}")
+    stats = by_layer(report)
+    assert {layer for layer, _ in stats} == {
+        "Planted", "Planted/embed", "Planted/loud", "Planted/loud/Dense_0", "Planted/head",
+        "(top level)",
+    }  # fmt: skip
+    assert stats[("Planted/loud", "forward")].overflow > 0
+    assert report.advice()["overrides"] == {"loud": "float32"}
+    with pytest.raises(ValueError, match="not collected"):
+        step(*ours, 1)[3].report()
+    # Without collect, the statistics are left out of the program.
+    plain = jax.make_jaxpr(lambda p: with_stats(p, X, collect=False)[:2])(params)
+    assert _count(plain, "cond") == 0 and _count(plain, "reduce_max") < _count(
+        jax.make_jaxpr(lambda p: with_stats(p, X)[:2])(params), "reduce_max"
+    )
+
+
+def test_in_program_statistics_equal_the_eager_ones():
+    model = Planted("underflow")
+    params = model.init(jax.random.key(1), X)["params"]
+
+    def loss(params, x):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
+
+    _, _, stats = jax.jit(jmp.value_and_grad_with_stats(loss, dtype="bfloat16"))(params, X)
+    ours = by_layer(stats.report())
+    eager = by_layer(jmp.debug_precision(loss, params, X, dtype="bfloat16"))
+    assert set(ours) == set(eager)
+    for key, s in eager.items():
+        o = ours[key]
+        assert o.count == s.count and o.headroom == s.headroom, key
+        np.testing.assert_allclose(
+            [o.amax, o.min_nonzero, o.underflow, o.overflow],
+            [s.amax, s.min_nonzero, s.underflow, s.overflow],
+            rtol=1e-6,
+        )
+    with pytest.raises(TypeError, match="`dtype`"):
+        jmp.value_and_grad_with_stats(loss, dtype="int8")
+
+
+def test_a_masking_constant_is_not_an_overflow():
+    # Flax's attention writes float32's lowest value where the mask is False: it is a
+    # stand-in for -inf, not data, and masking in float16 uses float16's own.
+    attention = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
+    x = jax.random.normal(jax.random.key(2), (2, 6, 8))
+    mask = nn.make_causal_mask(jnp.ones((2, 6)))
+    params = attention.init(jax.random.key(3), x, x, mask=mask)["params"]
+
+    def loss(params, x):
+        return jnp.mean(attention.apply({"params": params}, x, x, mask=mask) ** 2)
+
+    report = jmp.debug_precision(loss, params, x, dtype="float16")
+    print(f"\n{report}")
+    own = by_layer(report)[("MultiHeadDotProductAttention", "forward")]
+    assert own.overflow == 0 and own.amax < 100 and own.dynamic_range < 60
+    assert report.advice()["overrides"] == {}
