@@ -14,6 +14,7 @@ scale's trajectory with skipped steps marked. About 2 minutes on 2 CPU cores (12
 
     python examples/demo.py [--steps 300] [--policies float32,mixed_float16,mixed_bfloat16]
     python examples/demo.py --policies float32,mixed_bfloat16,mixed_float8  # float8 matmuls
+    python examples/demo.py --policies float32,mixed_float16 --advice  # debug_precision's overrides
 """
 
 from __future__ import annotations
@@ -98,14 +99,34 @@ def batches(ids, batch, length, seed):
         yield window[:, :-1], window[:, 1:]
 
 
-def train(policy_name, train_ids, val_ids, vocab, args):
+def advised_overrides(train_ids, vocab, args, dtype):
+    """`debug_precision` on the float32 model and one batch; its advice, as overrides."""
+    model = LanguageModel(vocab, length=args.length)
+    x, y = next(batches(train_ids, 8, args.length, seed=0))
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    advice = jmp.debug_precision(loss_fn, params, x, y, dtype=dtype).advice()
+    print(f"advice for {dtype}: overrides {advice['overrides']}")
+    print(f"  float32 islands {advice['islands']}")
+    return {path: jmp.get_policy(name) for path, name in advice["overrides"].items()}
+
+
+def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
     policy = jmp.get_policy(policy_name)
     if policy.compute_dtype.itemsize == 1:
         # float8 matmuls run through autocast, which scales each operand.
         model = LanguageModel(vocab, length=args.length)
         apply = jmp.autocast(model.apply, policy)
     else:
-        model = jmp.linen.mixed_precision(LanguageModel(vocab, length=args.length), policy)
+        model = jmp.linen.mixed_precision(
+            LanguageModel(vocab, length=args.length),
+            policy,
+            jmp.linen.NORMS_IN_FLOAT32 if overrides is None else overrides,
+        )
         apply = model.apply
     data = batches(train_ids, args.batch, args.length, seed=0)
     x, _ = next(batches(train_ids, args.batch, args.length, seed=0))
@@ -312,6 +333,12 @@ def main(argv=None):
     parser.add_argument("--val-batches", type=int, default=20)
     parser.add_argument("--out", default="demo_output", help="folder for the PNG plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--advice",
+        action="store_true",
+        help="train the float16 policies with the overrides jmp.debug_precision advises "
+        "instead of the default float32 norms",
+    )
     args = parser.parse_args(argv)
 
     train_ids, val_ids, vocab = load_text()
@@ -319,8 +346,17 @@ def main(argv=None):
         f"Python language reference: {len(train_ids):,} training / {len(val_ids):,} validation characters, "
         f"vocabulary {vocab}; {args.steps} steps of {args.batch}x{args.length} tokens per policy"
     )
+    advised = advised_overrides(train_ids, vocab, args, "float16") if args.advice else None
     runs = [
-        train(name.strip(), train_ids, val_ids, vocab, args) for name in args.policies.split(",")
+        train(
+            name.strip(),
+            train_ids,
+            val_ids,
+            vocab,
+            args,
+            advised if jmp.get_policy(name.strip()).compute_dtype == jnp.float16 else None,
+        )
+        for name in args.policies.split(",")
     ]
     print()
     print(summary(runs))

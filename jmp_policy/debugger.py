@@ -36,6 +36,7 @@ _CALLS = {
     "custom_vjp_call",
     "custom_vjp_call_jaxpr",
 }
+_MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot"}
 _LIBRARY_DIRS = ("/jax/", "/jaxlib/", "/flax/", "/optax/", "/jmp_policy/", "/chex/")
 TOP_LEVEL = "(top level)"
 
@@ -58,6 +59,9 @@ class LayerStats:
         overflows (negative: it already does); forward values are not scaled, so for them it
         is the margin of the activations.
       nonfinite: the fraction of values that are inf or NaN.
+      underflow_mass: the share of the values' total magnitude held by the ones that
+        underflow: what flushing them to zero loses (tiny tails, such as GELU's far left,
+        count in `underflow` but lose almost nothing).
     """
 
     layer: str
@@ -70,6 +74,25 @@ class LayerStats:
     overflow: float
     headroom: float
     nonfinite: float
+    underflow_mass: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OpError:
+    """How much accuracy one operation loses when it runs in the target dtype.
+
+    Attributes:
+      layer: its module path.
+      primitive: the operation, e.g. "reduce_sum".
+      error: the relative error (L2) of its result when its float32 inputs are rounded to
+        the target dtype and it runs there, against float32, in units of the target's unit
+        roundoff u (eps / 2): about 1 for an operation that only rounds, more for one that
+        amplifies rounding (long sums, cancellation, powers); inf if it overflows.
+    """
+
+    layer: str
+    primitive: str
+    error: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +125,10 @@ class PrecisionDebugReport:
       origin: the first operation that made an inf/NaN from finite inputs, or None.
       nonfinite_inputs: argument paths that already held inf/NaN (passed through from the input).
       loss: the loss value (NaN when not given, as to `PrecisionStats.report()`).
+      op_errors: per layer and operation of the forward pass, the accuracy it loses in the
+        target dtype (`OpError`), largest first; `debug_precision` measures them, in-program
+        statistics do not.
+      matmul_layers: the layers whose own operations include a matmul or convolution.
     """
 
     dtype: str
@@ -110,6 +137,8 @@ class PrecisionDebugReport:
     origin: NonFiniteOrigin | None
     nonfinite_inputs: tuple[str, ...]
     loss: float
+    op_errors: tuple[OpError, ...] = ()
+    matmul_layers: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         loss = "" if math.isnan(self.loss) else f" (loss {self.loss:.6g})"
@@ -139,39 +168,77 @@ class PrecisionDebugReport:
             )
         else:
             lines.append("no inf/NaN")
+        worse = [e for e in self.op_errors if e.error > 1.0]
+        if worse:
+            shown = ", ".join(f"{e.primitive} in {e.layer} {e.error:.1f}u" for e in worse[:6])
+            more = f" and {len(worse) - 6} more" if len(worse) > 6 else ""
+            lines.append(f"ops less accurate than one rounding in {self.dtype}: {shown}{more}")
         advice = self.advice()
-        lines.append(f"advice: overrides {advice['overrides']}, loss scale {advice['loss_scale']}")
+        lines.append(
+            f"advice: overrides {advice['overrides']}, float32 islands {advice['islands']}, "
+            f"loss scale {advice['loss_scale']}"
+        )
         return "\n".join(lines)
 
     def advice(self) -> dict[str, Any]:
-        """Overrides and a loss-scale range, from the statistics.
+        """Overrides, float32 islands and a loss-scale range, from the statistics.
 
         Returns:
-          `{"overrides": {module path: "float32"}, "loss_scale": {...}}`. A layer whose
-          activations overflow the target dtype (or hold more than 1% underflow) goes to
-          float32; paste the dict into `linen.mixed_precision(..., overrides=...)` with the
-          values as `get_policy(...)`. The loss scale: `initial`, the largest power of two that
-          keeps one doubling of headroom on every gradient, and `hysteresis` 2 when the
-          gradients span more binades than the target dtype can hold (some will underflow at
-          any scale, so single overflows should not halve it).
+          `{"overrides": {module path: "float32"}, "islands": {module path: [operations]},
+          "loss_scale": {...}}`.
+
+          - overrides: a layer whose activations do not fit the target dtype (an overflow,
+            or more than 0.1% of their magnitude lost to underflow) goes to float32; so does
+            a layer without matmuls (its own or its children's) whose values span more
+            binades than the target dtype's normal range or whose operations lose more than
+            one rounding there (`op_errors`): normalisation statistics, at no cost in
+            half-precision matmul FLOPs. Paste the dict into
+            `linen.mixed_precision(..., overrides=...)` with the values as `get_policy(...)`.
+          - islands: operations that lose more than one rounding (`OpError.error` > 1 u) in
+            the target dtype, inside layers that also hold matmuls (or at the top level, the
+            loss): they need float32 without moving the layer's matmuls out of half
+            precision. `linen.mixed_precision` already runs Flax attention's softmax in
+            float32; `autocast` runs sums, exp and log there; a model output cast to
+            float32 (`output_dtype`) keeps the loss there.
+          - loss_scale: `initial`, the largest power of two that keeps one doubling of
+            headroom on every gradient, and `hysteresis` 2 when the gradients span more
+            binades than the target dtype can hold (some will underflow at any scale, so
+            single overflows should not halve it).
         """
+        finfo = jnp.finfo(self.dtype)
+        normal_range = math.log2(float(finfo.max) / float(finfo.smallest_normal))
+
+        def holds_matmuls(layer: str) -> bool:
+            return any(m == layer or m.startswith(layer + "/") for m in self.matmul_layers)
+
+        lossy: dict[str, set[str]] = {}  # layer -> operations losing more than one rounding
+        for e in self.op_errors:
+            if e.error > 1.0 and e.primitive not in _MATMULS:
+                lossy.setdefault(e.layer, set()).add(e.primitive)
         overrides = {}
         for s in self.layers:
             if s.direction != "forward" or s.layer == TOP_LEVEL:
                 continue
-            if s.overflow > 0 or s.underflow > 0.01:
+            does_not_fit = s.overflow > 0 or s.underflow_mass > 1e-3
+            free = not holds_matmuls(s.layer) and (
+                s.dynamic_range > normal_range or s.layer in lossy
+            )
+            if does_not_fit or free:
                 overrides[_module_path(s.layer)] = "float32"
+        islands = {
+            (layer if layer == TOP_LEVEL else _module_path(layer)): sorted(ops)
+            for layer, ops in lossy.items()
+            if (layer == TOP_LEVEL or holds_matmuls(layer)) and _module_path(layer) not in overrides
+        }
         backward = [s for s in self.layers if s.direction == "backward" and s.amax > 0]
-        finfo = jnp.finfo(self.dtype)
         if backward:
             amax = max(s.amax for s in backward)  # gradients of the unscaled loss
             initial = 2.0 ** math.floor(math.log2(float(finfo.max) / 2 / amax))
             span = max(s.dynamic_range for s in backward)
-            target_span = math.log2(float(finfo.max) / float(finfo.smallest_normal))
-            scale = {"initial": initial, "hysteresis": 2 if span > target_span - 1 else 1}
+            scale = {"initial": initial, "hysteresis": 2 if span > normal_range - 1 else 1}
         else:
             scale = {"initial": 1.0, "hysteresis": 1}
-        return {"overrides": overrides, "loss_scale": scale}
+        return {"overrides": overrides, "islands": islands, "loss_scale": scale}
 
     def plot(self, path: str | pathlib.Path) -> pathlib.Path:
         """Writes a heat map (layers x statistics) to `path` (a PNG); needs matplotlib."""
@@ -247,8 +314,52 @@ class _Accumulator:
     def __init__(self, dtype: np.dtype, loss_scale: float):
         finfo = jnp.finfo(dtype)
         self.max, self.tiny = float(finfo.max), float(finfo.smallest_normal)
+        self.dtype, self.unit_roundoff = dtype, float(finfo.eps) / 2
         self.loss_scale = loss_scale
         self.stats: dict[tuple[str, str], list] = {}
+        self.op_errors: dict[tuple[str, str], float] = {}
+        self.matmul_layers: set[str] = set()
+
+    def op_error(self, layer: str, eqn: Any, invals: list, outs: list) -> None:
+        """Runs `eqn` again with its wider floating inputs rounded to the target dtype."""
+        name = eqn.primitive.name
+        if name in _MATMULS:
+            self.matmul_layers.add(layer)
+        wider = [
+            is_floating_array(v) and jnp.dtype(v.dtype).itemsize > self.dtype.itemsize
+            for v in invals
+        ]
+        if not any(wider) or not any(is_floating_array(o) for o in outs):
+            return
+        params = dict(eqn.primitive.get_bind_params(eqn.params))
+        if params.get("preferred_element_type") is not None:
+            params["preferred_element_type"] = self.dtype
+        cast = [
+            jnp.asarray(v).astype(self.dtype) if w else v
+            for v, w in zip(invals, wider, strict=True)
+        ]
+        try:
+            half = eqn.primitive.bind(*cast, **params)
+        except (TypeError, ValueError, NotImplementedError):
+            return  # no kernel in the target dtype: autocast runs such ops in float32
+        half = list(half) if eqn.primitive.multiple_results else [half]
+        error = 0.0
+        for full, low in zip(outs, half, strict=True):
+            if not is_floating_array(full):
+                continue
+            f = np.asarray(full, np.float64)
+            h = np.asarray(low, np.float64)
+            kept = np.isfinite(f) & (np.abs(f) < _MASK_MAGNITUDE)
+            if not kept.any():
+                continue
+            diff = h[kept] - f[kept]
+            norm = float(np.linalg.norm(f[kept]))
+            if not np.isfinite(diff).all():
+                error = math.inf
+            elif norm > 0:
+                error = max(error, float(np.linalg.norm(diff)) / norm / self.unit_roundoff)
+        key = (layer, name)
+        self.op_errors[key] = max(self.op_errors.get(key, 0.0), error)
 
     def add(self, key: tuple[str, str], value: np.ndarray) -> None:
         x = np.abs(np.asarray(value, np.float64)).ravel()
@@ -259,8 +370,10 @@ class _Accumulator:
         xf = x[finite & (x < _MASK_MAGNITUDE)]
         nonzero = xf[xf > 0]
         scaled = nonzero * (self.loss_scale if key[1] == "backward" else 1.0)
-        s = self.stats.setdefault(key, [0, 0.0, math.inf, 0, 0, 0, 0])
+        s = self.stats.setdefault(key, [0, 0.0, math.inf, 0, 0, 0, 0, 0.0, 0.0])
         s[0] += x.size - int((x[finite] >= _MASK_MAGNITUDE).sum())
+        s[7] += float(nonzero[scaled < self.tiny].sum())
+        s[8] += float(nonzero.sum())
         s[1] = max(s[1], float(xf.max()) if xf.size else 0.0)
         s[2] = min(s[2], float(nonzero.min()) if nonzero.size else math.inf)
         s[3] += int((scaled < self.tiny).sum())
@@ -273,9 +386,11 @@ class _Accumulator:
 
 
 def _layer_stats(raw: dict, largest: float, loss_scale: float) -> tuple[LayerStats, ...]:
-    """`LayerStats` from accumulated `[count, amax, min>0, under, over, nonzero, non-finite]`."""
+    """`LayerStats` from accumulated
+    `[count, amax, min>0, under, over, nonzero, non-finite, underflowing magnitude, magnitude]`."""
     out = []
-    for (layer, direction), (count, amax, low, under, over, nonzero, bad) in raw.items():
+    for (layer, direction), columns in raw.items():
+        count, amax, low, under, over, nonzero, bad, lost, mass = columns
         scale = loss_scale if direction == "backward" else 1.0
         headroom = math.log2(largest / (amax * scale)) if amax > 0 else math.inf
         finite_count = count - bad
@@ -291,6 +406,7 @@ def _layer_stats(raw: dict, largest: float, loss_scale: float) -> tuple[LayerSta
                 overflow=over / finite_count if finite_count else 0.0,
                 headroom=math.floor(headroom) if math.isfinite(headroom) else headroom,
                 nonfinite=bad / count if count else 0.0,
+                underflow_mass=lost / mass if mass > 0 else 0.0,
             )
         )
     return tuple(out)
@@ -353,6 +469,8 @@ class _Interpreter:
         floats = [o for o in outs if is_floating_array(o)]
         for value in floats:
             self.acc.add(key, value)
+        if key[1] == "forward":
+            self.acc.op_error(key[0], eqn, invals, outs)
         if not floats or _all_finite(floats):
             return
         if _all_finite(invals):
@@ -424,6 +542,8 @@ def debug_precision(
     origin = interpreter.origin
     if origin is not None:
         origin = dataclasses.replace(origin, passed_on=interpreter.passed_on)
+    measured = [OpError(layer, op, error) for (layer, op), error in acc.op_errors.items()]
+    op_errors = tuple(sorted(measured, key=lambda e: -e.error))
     return PrecisionDebugReport(
         dtype=target.name,
         loss_scale=float(loss_scale),
@@ -431,6 +551,8 @@ def debug_precision(
         origin=origin,
         nonfinite_inputs=bad_inputs,
         loss=float(np.asarray(outs[0])),
+        op_errors=op_errors,
+        matmul_layers=tuple(sorted(acc.matmul_layers)),
     )
 
 
@@ -452,6 +574,8 @@ class PrecisionStats:
       overflow: how many finite values are above `dtype`'s largest value.
       nonzero: how many values are nonzero and finite.
       nonfinite: how many values are inf or NaN.
+      underflow_magnitude: the summed magnitude of the values that underflow.
+      magnitude: the summed magnitude of the nonzero finite values.
       keys: `((module path, "forward" | "backward"), ...)` (static).
       dtype: the target dtype's name (static).
     """
@@ -464,6 +588,8 @@ class PrecisionStats:
     overflow: jax.Array
     nonzero: jax.Array
     nonfinite: jax.Array
+    underflow_magnitude: jax.Array
+    magnitude: jax.Array
     keys: tuple = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(metadata=dict(static=True))
 
@@ -497,6 +623,8 @@ class PrecisionStats:
                 self.overflow,
                 self.nonzero,
                 self.nonfinite,
+                self.underflow_magnitude,
+                self.magnitude,
             )
         ]
         raw = {key: [float(c[i]) for c in columns] for i, key in enumerate(self.keys)}
@@ -539,10 +667,12 @@ class _InProgram(_Interpreter):
             (finite & (x > self.max)).sum(dtype=jnp.float32),
             nonzero.sum(dtype=jnp.float32),
             (~is_finite).sum(dtype=jnp.float32),
+            jnp.where(nonzero & (x < self.tiny), x, 0.0).sum(),
+            jnp.where(nonzero, x, 0.0).sum(),
         ]
         old = self.raw.get(key)
         if old is not None:
-            combine = (jnp.add, jnp.maximum, jnp.minimum, jnp.add, jnp.add, jnp.add, jnp.add)
+            combine = (jnp.add, jnp.maximum, jnp.minimum) + (jnp.add,) * 6
             new = [f(o, n) for f, o, n in zip(combine, old, new, strict=True)]
         self.raw[key] = new
 
@@ -550,7 +680,7 @@ class _InProgram(_Interpreter):
         keys = tuple(self.raw)
         columns = [
             jnp.stack([self.raw[k][i] for k in keys]) if keys else jnp.zeros((0,), jnp.float32)
-            for i in range(7)
+            for i in range(9)
         ]
         return PrecisionStats(jnp.asarray(True), *columns, keys=keys, dtype=self.dtype.name)
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from models import GPT
 
 import jmp_policy as jmp
 
@@ -300,3 +301,36 @@ def test_a_masking_constant_is_not_an_overflow():
     own = by_layer(report)[("MultiHeadDotProductAttention", "forward")]
     assert own.overflow == 0 and own.amax < 100 and own.dynamic_range < 60
     assert report.advice()["overrides"] == {}
+
+
+def test_advice_on_a_transformer_keeps_every_matmul_in_half_precision():
+    model = GPT(layers=2)
+    tokens = jax.random.randint(jax.random.key(0), (4, 17), 0, 64)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def loss(params, x, y):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    report = jmp.debug_precision(loss, params, x, y, dtype="float16")
+    advice = report.advice()
+    print(f"\n{advice}\n{report.op_errors[:8]}")
+    # The normalisation layers, all of them and nothing else: their sums lose more than one
+    # rounding in float16, and they hold no matmul, so float32 costs no half-precision FLOPs.
+    norms = {"Block_0/LayerNorm_0", "Block_0/LayerNorm_1", "Block_1/LayerNorm_0",
+             "Block_1/LayerNorm_1", "LayerNorm_0"}  # fmt: skip
+    assert advice["overrides"] == dict.fromkeys(norms, "float32")
+    assert {e.layer for e in report.op_errors if e.error > 1} >= {f"GPT/{n}" for n in norms}
+    # Every matmul ran in float16 within about one rounding, and stays there.
+    matmuls = [e for e in report.op_errors if e.primitive == "dot_general"]
+    assert matmuls and max(e.error for e in matmuls) < 1.0
+    assert not any(path in advice["overrides"] for path in ("Block_0", "head", "Embed_0"))
+    assert all(e.error <= 1 or e.layer.split("/")[-1].startswith(("LayerNorm", "Block"))
+               for e in report.op_errors)  # fmt: skip
+    with_overrides = {k: jmp.get_policy(v) for k, v in advice["overrides"].items()}
+    mixed = jmp.linen.mixed_precision(model, jmp.get_policy("mixed_float16"), with_overrides)
+    share = jmp.precision_report(
+        lambda p: mixed.apply({"params": p}, x), params
+    ).half_matmul_flop_share
+    assert share == 1.0

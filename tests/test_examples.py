@@ -65,12 +65,15 @@ def test_autocast_benchmark_runs():
     assert "jmp_policy.autocast" in text
 
 
-def test_demo_fast(tmp_path):
+def test_demo_fast(tmp_path, capsys):
     policies = ["float32", "mixed_float16", "mixed_bfloat16", "mixed_float8"]
     runs = load("examples/demo.py").main(
         ["--steps", "12", "--val-batches", "2", "--quiet", "--out", str(tmp_path),
-         "--policies", ",".join(policies)]
+         "--policies", ",".join(policies), "--advice"]
     )  # fmt: skip
+    # --advice: mixed_float16 ran with debug_precision's overrides, the five LayerNorms.
+    advice = next(line for line in capsys.readouterr().out.splitlines() if "advice" in line)
+    assert advice.count("LayerNorm") == 5 and "Dense" not in advice
     assert [r.policy for r in runs] == policies
     assert runs[0].half_share == 0.0 and runs[1].half_share == 1.0 == runs[2].half_share
     # mixed_float8: every matmul but the logits head in float8.
