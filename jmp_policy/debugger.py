@@ -192,8 +192,8 @@ class PrecisionDebugReport:
             a layer without matmuls (its own or its children's) whose values span more
             binades than the target dtype's normal range or whose operations lose more than
             one rounding there (`op_errors`): normalisation statistics, at no cost in
-            half-precision matmul FLOPs. Paste the dict into
-            `linen.mixed_precision(..., overrides=...)` with the values as `get_policy(...)`.
+            half-precision matmul FLOPs. Pass the dict as it is to
+            `linen.mixed_precision(..., overrides=...)` (it replaces `NORMS_IN_FLOAT32`).
           - islands: operations that lose more than one rounding (`OpError.error` > 1 u) in
             the target dtype, inside layers that also hold matmuls (or at the top level, the
             loss): they need float32 without moving the layer's matmuls out of half

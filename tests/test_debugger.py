@@ -328,8 +328,7 @@ def test_advice_on_a_transformer_keeps_every_matmul_in_half_precision():
     assert not any(path in advice["overrides"] for path in ("Block_0", "head", "Embed_0"))
     assert all(e.error <= 1 or e.layer.split("/")[-1].startswith(("LayerNorm", "Block"))
                for e in report.op_errors)  # fmt: skip
-    with_overrides = {k: jmp.get_policy(v) for k, v in advice["overrides"].items()}
-    mixed = jmp.linen.mixed_precision(model, jmp.get_policy("mixed_float16"), with_overrides)
+    mixed = jmp.linen.mixed_precision(model, "mixed_float16", advice["overrides"])  # as it is
     share = jmp.precision_report(
         lambda p: mixed.apply({"params": p}, x), params
     ).half_matmul_flop_share
