@@ -8,19 +8,22 @@ square. About 20 s on 2 CPU cores:
 
     python examples/linen_cnn.py [--steps 150] [--policy mixed_float16]
 
-`--policies` trains once per policy on the same batches and prints a table
-(final loss, held-out accuracy, the float8 share of matmul FLOPs), e.g.
-`--policies mixed_bfloat16,mixed_float8`: under `mixed_float8` the hidden
-Dense layer multiplies in float8, the convolutions and the 4-way head in
-bfloat16.
+`--policies` trains once per policy on the same batches, prints a table
+(final loss, held-out accuracy, the float8 share of matmul FLOPs) and, with
+`--out DIR`, draws the loss curves to DIR/cnn_loss_curves.png, e.g.
+`--policies mixed_bfloat16,mixed_float8 --out cnn_output`: under
+`mixed_float8` the hidden Dense layer multiplies in float8, the convolutions
+and the 4-way head in bfloat16.
 """
 
 import argparse
+import pathlib
 from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training import train_state
 
@@ -58,9 +61,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--policy", default="mixed_float16")
     parser.add_argument("--policies", help="comma-separated: train under each, print a table")
+    parser.add_argument("--out", help="with --policies: a folder for the loss curves' PNG")
     args = parser.parse_args(argv)
     if args.policies:
-        return compare(args.policies.split(","), args.steps)
+        return compare(args.policies.split(","), args.steps, args.out)
     return train(args.policy, args.steps).accuracy
 
 
@@ -69,15 +73,40 @@ class Result(NamedTuple):
     final_loss: float  # mean over the last 20 steps
     accuracy: float  # held out
     fp8_share: float  # of matmul/conv FLOPs in a train step
+    losses: tuple  # every step's loss
 
 
-def compare(policies, steps):
+def compare(policies, steps, out=None):
     """Trains under each policy on the same data; prints and returns the results."""
     results = [train(name, steps, verbose=False) for name in policies]
     print(f"{'policy':16}{'final loss':>12}{'accuracy':>10}{'fp8 FLOPs':>11}")
     for r in results:
         print(f"{r.policy:16}{r.final_loss:>12.4f}{r.accuracy:>10.3f}{100 * r.fp8_share:>10.0f}%")
+    if out:
+        print(f"plot: {plot(results, pathlib.Path(out))}")
     return results
+
+
+def plot(results, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        window = np.ones(10) / 10
+        curve = np.convolve(np.asarray(r.losses), window, mode="valid")
+        ax.plot(curve, label=f"{r.policy} (final {r.final_loss:.4f}, acc {r.accuracy:.3f})")
+    ax.set(xlabel="step", ylabel="train loss (10-step mean)", title="Linen CNN, one seed")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "cnn_loss_curves.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def train(policy_name, steps, verbose=True):
@@ -130,8 +159,9 @@ def train(policy_name, steps, verbose=True):
     dtypes = sorted({a.dtype.name for a in jax.tree.leaves(batch_stats)})
     if verbose:
         print(f"policy {policy}; batch_stats dtypes {dtypes}; held-out accuracy {acc:.3f}")
-    final = float(jnp.mean(jnp.stack(losses[-20:])))
-    return Result(policy_name, final, acc, report.fp8_matmul_flop_share)
+    losses = [float(v) for v in losses]
+    final = float(np.mean(losses[-20:]))
+    return Result(policy_name, final, acc, report.fp8_matmul_flop_share, tuple(losses))
 
 
 if __name__ == "__main__":

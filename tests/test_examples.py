@@ -39,9 +39,12 @@ def test_all_finite_benchmark_runs():
     assert "jmp_policy.all_finite" in text and "x |" in text
 
 
-def test_linen_cnn_example_under_three_policies():
+def test_linen_cnn_example_under_three_policies(tmp_path):
     policies = "mixed_float16,mixed_bfloat16,mixed_float8"
-    results = load("examples/linen_cnn.py").main(["--steps", "100", "--policies", policies])
+    results = load("examples/linen_cnn.py").main(
+        ["--steps", "100", "--policies", policies, "--out", str(tmp_path)]
+    )
+    assert (tmp_path / "cnn_loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     final = {r.policy: r.final_loss for r in results}
     print(final)  # measured: 0.1531, 0.1539, 0.1544
     assert all(r.accuracy > 0.9 for r in results)
