@@ -578,6 +578,9 @@ class PrecisionStats:
       magnitude: the summed magnitude of the nonzero finite values.
       keys: `((module path, "forward" | "backward"), ...)` (static).
       dtype: the target dtype's name (static).
+      matmul_layers: the layers whose own forward operations include a matmul or
+        convolution (static; `PrecisionDebugReport.advice` keeps them out of its
+        overrides unless their values do not fit).
     """
 
     collected: jax.Array
@@ -592,6 +595,7 @@ class PrecisionStats:
     magnitude: jax.Array
     keys: tuple = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(metadata=dict(static=True))
+    matmul_layers: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     def report(self, loss: float = math.nan) -> PrecisionDebugReport:
         """The statistics as a `PrecisionDebugReport` (host-side; gradients judged as computed).
@@ -635,6 +639,7 @@ class PrecisionStats:
             origin=None,
             nonfinite_inputs=(),
             loss=float(loss),
+            matmul_layers=self.matmul_layers,
         )
 
 
@@ -646,9 +651,12 @@ class _InProgram(_Interpreter):
         self.tiny, self.max = float(finfo.smallest_normal), float(finfo.max)
         self.dtype = dtype
         self.raw: dict[tuple[str, str], list[jax.Array]] = {}
+        self.matmul_layers: set[str] = set()
 
     def _record(self, eqn: Any, stack: str, invals: list, outs: list) -> None:
         key = _layer_and_direction(stack)
+        if key[1] == "forward" and eqn.primitive.name in _MATMULS:
+            self.matmul_layers.add(key[0])
         for value in outs:
             if is_floating_array(value) and value.size:
                 self._add(key, value)
@@ -682,7 +690,13 @@ class _InProgram(_Interpreter):
             jnp.stack([self.raw[k][i] for k in keys]) if keys else jnp.zeros((0,), jnp.float32)
             for i in range(9)
         ]
-        return PrecisionStats(jnp.asarray(True), *columns, keys=keys, dtype=self.dtype.name)
+        return PrecisionStats(
+            jnp.asarray(True),
+            *columns,
+            keys=keys,
+            dtype=self.dtype.name,
+            matmul_layers=tuple(sorted(self.matmul_layers)),
+        )
 
 
 def value_and_grad_with_stats(

@@ -270,8 +270,9 @@ def test_in_program_statistics_equal_the_eager_ones():
         return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
 
     _, _, stats = jax.jit(jmp.value_and_grad_with_stats(loss, dtype="bfloat16"))(params, X)
-    ours = by_layer(stats.report())
-    eager = by_layer(jmp.debug_precision(loss, params, X, dtype="bfloat16"))
+    eager_report = jmp.debug_precision(loss, params, X, dtype="bfloat16")
+    assert stats.matmul_layers == eager_report.matmul_layers
+    ours, eager = by_layer(stats.report()), by_layer(eager_report)
     assert set(ours) == set(eager)
     for key, s in eager.items():
         o = ours[key]
