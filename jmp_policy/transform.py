@@ -178,7 +178,7 @@ def loss_scaling(
     scale. Dividing by S > 0 keeps the order of the values, so a leaf's
     unscaled values are finite exactly when its unscaled maximum is. The
     inner update runs under a `lax.cond`, so a skipped step does no optimizer
-    work, and the unscaled gradients are never stored.
+    work.
 
     Args:
       inner: the optimizer (any optax transform, including `optax.chain`,
@@ -269,14 +269,15 @@ def loss_scaling(
         leaf_finite = unscaled_leaf_finite(updates, loss_scale, axis_name)
         finite = leaf_finite.all()
 
-        def apply(scaled_grads, inner_state):
-            # Unscaled here, fused into the optimizer's first pass: the
-            # unscaled gradients are never stored.
-            grads = loss_scale.unscale(scaled_grads)
+        def apply(grads, inner_state):
             new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
             return new_updates, optax.tree.cast_like(new_inner, inner_state)
 
-        new_updates, inner_state = _run_if_finite(finite, apply, updates, state.inner_state)
+        # Unscaled before the cond, in place of the scaled gradients (XLA reuses
+        # their buffers): measured faster to compile and run than unscaling in
+        # the cond's first pass, with the same temp memory.
+        grads = loss_scale.unscale(updates)
+        new_updates, inner_state = _run_if_finite(finite, apply, grads, state.inner_state)
         skipped = ~finite
         stats = state.gradient_stats
         if stats_every is not None and stats is not None:
