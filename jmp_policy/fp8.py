@@ -140,6 +140,12 @@ def fp8_excluded_by(where: str, patterns: tuple[str, ...] = FP8_EXCLUDE) -> str 
     return None
 
 
+def fp8_layer(compute_dtype: DTypeLike, where: str) -> bool:
+    """Whether a layer at module path `where` multiplies in float8: its policy computes in
+    float8 and `FP8_EXCLUDE` does not name it (the rule of `linen`/`nnx.mixed_precision`)."""
+    return np.dtype(compute_dtype).itemsize == 1 and fp8_excluded_by(where) is None
+
+
 # float8 matmuls need a contraction (K) and an output width (N) that are
 # multiples of 16 (what fp8 GEMMs accept); smaller ones gain nothing and stay
 # in bfloat16.

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import unfreeze
 
-from jmp_policy.fp8 import Fp8DotGeneral, fp8_excluded_by
+from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
 from jmp_policy.overrides import FLOAT32, Overrides
 from jmp_policy.policy import Policy, casting_policy, check_policy, is_floating_array
 
@@ -244,11 +244,10 @@ def _fp8_matmuls(module: nn.Module, policy: Policy, path: tuple[str, ...]) -> No
     """
     fields = getattr(module, "__dataclass_fields__", {})
     if (
-        policy.compute_dtype.itemsize != 1
+        not fp8_layer(policy.compute_dtype, "/".join(path))
         or "dot_general" not in fields
         or module.dot_general is not None
         or getattr(module, "dot_general_cls", None) is not None
-        or fp8_excluded_by("/".join(path)) is not None
     ):
         return
     object.__setattr__(module, "dot_general", Fp8DotGeneral())

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jmp_policy.fp8 import Fp8DotGeneral, fp8_excluded_by
+from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
 from jmp_policy.overrides import FLOAT32, Overrides
 from jmp_policy.policy import Policy, casting_policy, check_policy
 
@@ -208,7 +208,7 @@ def _fp8_matmuls(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> N
     current = getattr(module, "dot_general", _ABSENT)
     if current is _ABSENT or getattr(module, "dot_general_cls", None) is not None:
         return
-    fp8 = policy.compute_dtype.itemsize == 1 and fp8_excluded_by("/".join(path)) is None
+    fp8 = fp8_layer(policy.compute_dtype, "/".join(path))
     if fp8 and current in (None, lax.dot_general):
         setattr(module, "dot_general", _POLICY_FP8_DOT)  # noqa: B010
     elif not fp8 and current is _POLICY_FP8_DOT:
