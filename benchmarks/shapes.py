@@ -131,8 +131,8 @@ def all_shapes(quick: bool = False) -> list[Shape]:
     if quick:
         return [
             mlp(width=32, batch=8),
-            gpt(layers=2, dim=16, length=8, batch=2),
-            gpt(layers=2, dim=16, length=8, batch=2, scan=True),
+            gpt(layers=1, dim=16, length=8, batch=2),
+            gpt(layers=1, dim=16, length=8, batch=2, scan=True),
             cnn(batch=2, size=8),
             nnx_gpt(layers=1, dim=16, length=8, batch=2),
         ]

@@ -32,25 +32,18 @@ def test_quickstart_learns():
     assert final_loss < 0.05
 
 
-def test_all_finite_benchmark_runs():
-    text = load("benchmarks/bench_all_finite.py").main(
-        ["--size", "100000", "--leaves", "100", "--rounds", "1"]
-    )
-    assert "jmp_policy.all_finite" in text and "x |" in text
-
-
-def test_linen_cnn_example_under_three_policies(tmp_path):
-    policies = "mixed_float16,mixed_bfloat16,mixed_float8"
+def test_linen_cnn_example_float8_against_bfloat16(tmp_path):
+    policies = "mixed_bfloat16,mixed_float8"
     results = load("examples/linen_cnn.py").main(
         ["--steps", "100", "--policies", policies, "--out", str(tmp_path)]
     )
     assert (tmp_path / "cnn_loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     final = {r.policy: r.final_loss for r in results}
-    print(final)  # measured: 0.1531, 0.1539, 0.1544
+    print(final)  # measured: 0.1539, 0.1544
     assert all(r.accuracy > 0.9 for r in results)
     # float8 matmuls (the hidden Dense) end within 2% of bfloat16's loss.
     assert abs(final["mixed_float8"] / final["mixed_bfloat16"] - 1) < 0.02
-    assert results[2].fp8_share > 0 and results[1].fp8_share == 0
+    assert results[1].fp8_share > 0 and results[0].fp8_share == 0
 
 
 def test_nnx_transformer_example_fast():
@@ -61,15 +54,9 @@ def test_autocast_example_fast():
     assert load("examples/autocast_flax.py").main(["--steps", "60"]) > 0.7
 
 
-def test_autocast_benchmark_runs():
-    text = load("benchmarks/bench_autocast.py").main(
-        ["--dim", "16", "--batch", "2", "--rounds", "1", "--repeats", "1"]
-    )
-    assert "jmp_policy.autocast" in text
-
-
 def test_demo_fast(tmp_path, capsys):
-    policies = ["float32", "mixed_float16", "mixed_bfloat16", "mixed_float8"]
+    # bfloat16 takes the same code path as float8's compute dtype; left out for time.
+    policies = ["float32", "mixed_float16", "mixed_float8"]
     runs = load("examples/demo.py").main(
         ["--steps", "12", "--val-batches", "2", "--quiet", "--out", str(tmp_path),
          "--policies", ",".join(policies), "--advice"]
@@ -78,9 +65,9 @@ def test_demo_fast(tmp_path, capsys):
     advice = next(line for line in capsys.readouterr().out.splitlines() if "advice" in line)
     assert advice.count("LayerNorm") == 5 and "Dense" not in advice
     assert [r.policy for r in runs] == policies
-    assert runs[0].half_share == 0.0 and runs[1].half_share == 1.0 == runs[2].half_share
+    assert runs[0].half_share == 0.0 and runs[1].half_share == 1.0
     # mixed_float8: every matmul but the logits head in float8.
-    assert runs[3].fp8_share > 0.9 and runs[3].fp8_share + runs[3].half_share == pytest.approx(1.0)
+    assert runs[2].fp8_share > 0.9 and runs[2].fp8_share + runs[2].half_share == pytest.approx(1.0)
     for name in ("loss_curves.png", "loss_scale.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -96,14 +83,16 @@ def test_underflow_demo(tmp_path):
 
 
 def test_run_all_benchmarks_quick(tmp_path):
-    # The whole suite in its fast mode: every model shape, every variant, the
-    # compile-time sweep and its PNG. Figures are printed, never asserted as
+    # The whole suite in its fast mode: the all_finite and autocast benchmarks,
+    # every model shape and variant of the train step, the compile-time sweep
+    # and its PNG. Figures are printed, never asserted as
     # timings (this machine is shared); XLA's buffer sizes are deterministic.
     text = load("benchmarks/run_all.py").main(["--quick", "--out", str(tmp_path / "B.md")])
     assert (tmp_path / "B.md").read_text() == text
     for heading in ("all_finite", "Train step on every model shape", "Compile time against",
                     "autocast vs hand-cast", "Low-precision parameters", "GPU"):  # fmt: skip
         assert f"## {heading}" in text
+    assert "| jmp_policy.all_finite, pytree |" in text and "| jmp_policy.autocast |" in text
     assert (tmp_path / "compile_vs_leaves.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "low_precision.png").read_bytes()[:4] == b"\x89PNG"
     low = [line.split(" | ") for line in text.splitlines() if "(examples/" in line]
@@ -115,7 +104,7 @@ def test_run_all_benchmarks_quick(tmp_path):
     rows = [line.split(" | ") for line in text.splitlines() if line.count(" | ") == 8]
     shapes_seen = {row[0].lstrip("| ") for row in rows} - {"shape"}
     assert shapes_seen == {
-        "MLP (4 layers)", "GPT 2 layers (loop)", "GPT 2 layers (nn.scan)", "CNN + BatchNorm",
+        "MLP (4 layers)", "GPT 1 layers (loop)", "GPT 1 layers (nn.scan)", "CNN + BatchNorm",
         "NNX GPT 1 layers",
     }  # fmt: skip
     variants = {row[2] for row in rows} - {"variant"}
