@@ -1,5 +1,6 @@
 """Tests for jmp_policy.transform: loss_scaling as an optax transform."""
 
+import itertools
 import warnings
 
 import chex
@@ -545,6 +546,27 @@ def test_step_memory_is_no_more_than_apply_if_finite(policy):
     )
     assert ours <= guarded + 1024  # give or take a few scalars of state
     assert ours - plain < grad_bytes
+
+
+@optax_promotion
+def test_program_grows_linearly_with_the_number_of_leaves():
+    # Compile cost, measured deterministically: the number of instructions in
+    # XLA's optimised program of `update`, beyond plain Adam's, for N leaves of
+    # N different shapes (so no two are checked together: the worst case). The
+    # per-leaf flags and the skip must add a constant per leaf, not more.
+    def instructions(tx, n):
+        params = [jnp.ones((i + 1,)) for i in range(n)]
+        compiled = jax.jit(tx.update).lower(params, tx.init(params), params).compile()
+        return sum(1 for line in compiled.as_text().splitlines() if " = " in line)
+
+    adam = optax.adam(1e-3)
+    ours = jmp.loss_scaling(adam, jmp.DynamicLossScale(2.0**15))
+    extra = {n: instructions(ours, n) - instructions(adam, n) for n in (32, 64, 128)}
+    counts = sorted(extra)
+    # The cost of one more leaf, between consecutive sizes: constant, not growing.
+    marginal = [(extra[b] - extra[a]) / (b - a) for a, b in itertools.pairwise(counts)]
+    print(f"instructions beyond plain Adam, by leaf count: {extra}; per added leaf: {marginal}")
+    assert all(0 < m <= 1.1 * marginal[0] for m in marginal), marginal
 
 
 @optax_promotion
