@@ -501,7 +501,7 @@ def test_skip_is_exact_for_large_and_small_leaves(inner, size):
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_step_memory_is_no_more_than_apply_if_finite(policy):
     # Not a timing: XLA's buffer assignment is deterministic. The check reads
-    # the scaled gradients (the unscaled ones are never stored), so a step
+    # the scaled gradients and the unscaled ones take their buffers, so a step
     # needs no more temporary memory than optax.apply_if_finite, which checks
     # gradients it is given already unscaled, and under one extra
     # gradient-sized buffer over plain optax (float32: 0.76 gradients' worth;
