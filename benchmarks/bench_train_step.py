@@ -7,6 +7,9 @@ GPT), every variant computes the same mixed_float16 loss and gradients, under
 differ in how the step is scaled, checked and skipped:
 
 - plain optax: no scaling, no check (the baseline);
+- plain optax, again: the baseline's step compiled and run a second time as
+  its own variant (an A/A test): its ratios show how far this machine's noise
+  alone moves a ratio in this run;
 - optax.apply_if_finite: a dynamic scale outside, apply_if_finite inside;
 - flax DynamicScale: its value_and_grad, then a select over params and state;
 - jmp recipe: scale, unscale, all_finite, select_tree over params and state;
@@ -41,16 +44,21 @@ import jmp_policy  # noqa: E402
 
 INITIAL_SCALE = 2.0**15
 BASELINE = "plain optax"
+AGAIN = "plain optax, again (noise)"
 
 
 def variants(optimizer, loss):
     """name -> (init(params) -> state, step(params, state, extra, batch) -> (params, state, extra))."""
     grad = jax.grad(loss, has_aux=True)
 
-    def plain_step(params, opt_state, extra, batch):
-        grads, extra = grad(params, extra, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, extra
+    def plain():
+        # A new function object per call, so the A/A copy shares no trace or compile cache.
+        def plain_step(params, opt_state, extra, batch):
+            grads, extra = grad(params, extra, batch)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, extra
+
+        return plain_step
 
     def with_scale(init):
         return lambda params: (init(params), jmp_policy.DynamicLossScale(INITIAL_SCALE))
@@ -123,7 +131,8 @@ def variants(optimizer, loss):
         return optax.apply_updates(params, updates), opt_state, extra
 
     return {
-        BASELINE: (optimizer.init, plain_step),
+        BASELINE: (optimizer.init, plain()),
+        AGAIN: (optimizer.init, plain()),
         "optax.apply_if_finite": (with_scale(guarded.init), aif_step),
         "flax DynamicScale": (flax_init, flax_step),
         "jmp recipe": (with_scale(optimizer.init), jmp_step),
