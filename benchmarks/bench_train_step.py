@@ -15,7 +15,12 @@ differ in how the step is scaled, checked and skipped:
 - jmp recipe: scale, unscale, all_finite, select_tree over params and state;
 - hand-written cond: unscale, isfinite per leaf, `lax.cond` around the
   optimizer step and `apply_updates` (what a user writes in 15 lines);
-- jmp_policy.loss_scaling: one optax transform.
+- jmp_policy.loss_scaling: one optax transform;
+- skip on the loss alone (floor): `loss_scaling`'s structure (scale, unscale,
+  a `lax.cond` around the optimizer, `apply_updates` outside it) decided by
+  the loss value alone, with no gradient check. Not a usable design (a finite
+  loss with an overflowing gradient goes through): it is what the skip costs
+  before any check.
 
 Reports trace+compile time, the median step time over interleaved rounds and
 XLA's temp bytes (`memory_analysis()`), each as a ratio to plain optax in the
@@ -45,6 +50,7 @@ import jmp_policy  # noqa: E402
 INITIAL_SCALE = 2.0**15
 BASELINE = "plain optax"
 AGAIN = "plain optax, again (noise)"
+FLOOR = "skip on the loss alone (floor)"
 
 
 def variants(optimizer, loss):
@@ -64,24 +70,27 @@ def variants(optimizer, loss):
         return lambda params: (init(params), jmp_policy.DynamicLossScale(INITIAL_SCALE))
 
     def scaled_grad(scale, params, extra, batch):
+        """Gradients of the scaled loss, the new `extra` and the loss value (unscaled)."""
+
         def scaled(p, e, b):
             value, e = loss(p, e, b)
-            return scale.scale(value), e
+            return scale.scale(value), (e, value)
 
-        return jax.grad(scaled, has_aux=True)(params, extra, batch)
+        grads, (extra, value) = jax.grad(scaled, has_aux=True)(params, extra, batch)
+        return grads, extra, value
 
     guarded = optax.apply_if_finite(optimizer, max_consecutive_errors=10**6)
 
     def aif_step(params, state, extra, batch):
         opt_state, scale = state
-        grads, extra = scaled_grad(scale, params, extra, batch)
+        grads, extra, _ = scaled_grad(scale, params, extra, batch)
         updates, opt_state = guarded.update(scale.unscale(grads), opt_state, params)
         scale = scale.adjust(opt_state.last_finite)
         return optax.apply_updates(params, updates), (opt_state, scale), extra
 
     def jmp_step(params, state, extra, batch):
         opt_state, scale = state
-        grads, extra = scaled_grad(scale, params, extra, batch)
+        grads, extra, _ = scaled_grad(scale, params, extra, batch)
         grads = scale.unscale(grads)
         finite = jmp_policy.all_finite(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -112,7 +121,7 @@ def variants(optimizer, loss):
         # What a user writes by hand: unscale, isfinite per leaf, lax.cond
         # around the optimizer step and the parameter update.
         opt_state, scale = state
-        grads, extra = scaled_grad(scale, params, extra, batch)
+        grads, extra, _ = scaled_grad(scale, params, extra, batch)
         grads = scale.unscale(grads)
         finite = jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]).all()
 
@@ -123,10 +132,27 @@ def variants(optimizer, loss):
         params, opt_state = jax.lax.cond(finite, apply, lambda *a: a, params, opt_state)
         return params, (opt_state, scale.adjust(finite)), extra
 
+    def floor_step(params, state, extra, batch):
+        opt_state, scale = state
+        grads, extra, value = scaled_grad(scale, params, extra, batch)
+        finite = jnp.isfinite(value)
+
+        def skip(grads, opt_state):
+            return jax.tree.map(lambda g: jnp.full_like(g, -0.0), grads), opt_state
+
+        updates, opt_state = jax.lax.cond(
+            finite,
+            lambda g, s: optimizer.update(g, s, params),
+            skip,
+            scale.unscale(grads),
+            opt_state,
+        )
+        return optax.apply_updates(params, updates), (opt_state, scale.adjust(finite)), extra
+
     scaled = jmp_policy.loss_scaling(optimizer, jmp_policy.DynamicLossScale(INITIAL_SCALE))
 
     def ours_step(params, opt_state, extra, batch):
-        grads, extra = scaled_grad(jmp_policy.get_loss_scale(opt_state), params, extra, batch)
+        grads, extra, _ = scaled_grad(jmp_policy.get_loss_scale(opt_state), params, extra, batch)
         updates, opt_state = scaled.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, extra
 
@@ -138,6 +164,7 @@ def variants(optimizer, loss):
         "jmp recipe": (with_scale(optimizer.init), jmp_step),
         "hand-written cond": (with_scale(optimizer.init), cond_step),
         "jmp_policy.loss_scaling": (scaled.init, ours_step),
+        FLOOR: (with_scale(optimizer.init), floor_step),
     }
 
 

@@ -113,6 +113,7 @@ def test_run_all_benchmarks_quick(tmp_path):
     assert variants == {
         "plain optax", "plain optax, again (noise)", "optax.apply_if_finite",
         "flax DynamicScale", "jmp recipe", "hand-written cond", "jmp_policy.loss_scaling",
+        "skip on the loss alone (floor)",
     }  # fmt: skip
     # The A/A copy is the baseline's program compiled again: the same buffers,
     # so temp memory is exactly 1.00x; its time ratios are this run's noise.
