@@ -127,6 +127,28 @@ def test_run_all_benchmarks_quick(tmp_path):
         assert float(row[3]) > 0 and float(row[5]) > 0
 
 
+def test_benchmark_floor_is_loss_scaling_without_the_check():
+    # The floor row claims to be loss_scaling's step minus the gradient check:
+    # on a finite step both must compute the same parameters, bit for bit.
+    import chex
+    import optax
+
+    bench = load("benchmarks/bench_train_step.py")
+    shape = next(s for s in bench.shapes.all_shapes(quick=True) if "loop" in s.name)
+    steps = bench.variants(optax.adam(1e-3), shape.loss)
+    new = {}
+    for name in (bench.FLOOR, "jmp_policy.loss_scaling"):
+        init, step = steps[name]
+        params = bench._fresh(shape.params)
+        args = (params, init(params), bench._fresh(shape.extra), shape.batch)
+        new[name] = jax.jit(step)(*args)[0]
+    chex.assert_trees_all_equal(new[bench.FLOOR], new["jmp_policy.loss_scaling"])
+    change = jax.tree.map(lambda a, b: float(abs(a - b).max()), new[bench.FLOOR], shape.params)
+    moved = max(jax.tree.leaves(change))
+    print(f"{shape.name}: largest parameter change {moved:.2e}, equal in both")
+    assert moved > 0
+
+
 def test_gpu_benchmark_configurations_run_tiny_on_cpu():
     # Every configuration's code path, float8 included, at a tiny size; on CPU
     # there is no cuBLASLt, so no fp8 GEMM, and the table says it fell back.
