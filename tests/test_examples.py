@@ -4,7 +4,9 @@ import importlib.util
 import pathlib
 import sys
 
+import chex
 import jax
+import optax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -130,9 +132,6 @@ def test_run_all_benchmarks_quick(tmp_path):
 def test_benchmark_floor_is_loss_scaling_without_the_check():
     # The floor row claims to be loss_scaling's step minus the gradient check:
     # on a finite step both must compute the same parameters, bit for bit.
-    import chex
-    import optax
-
     bench = load("benchmarks/bench_train_step.py")
     shape = next(s for s in bench.shapes.all_shapes(quick=True) if "loop" in s.name)
     steps = bench.variants(optax.adam(1e-3), shape.loss)
