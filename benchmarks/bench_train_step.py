@@ -33,6 +33,7 @@ of 3 to 50 blocks: 53 to 805 leaves) and draws it to a PNG.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -53,6 +54,34 @@ AGAIN = "plain optax, again (noise)"
 FLOOR = "skip on the loss alone (floor)"
 
 
+def scaled_loss_grad(loss, scale, params, extra, batch):
+    """Gradients of `scale.scale(loss)`, the new `extra` and the loss value (unscaled)."""
+
+    def scaled(p, e, b):
+        value, e = loss(p, e, b)
+        return scale.scale(value), (e, value)
+
+    grads, (extra, value) = jax.grad(scaled, has_aux=True)(params, extra, batch)
+    return grads, extra, value
+
+
+def loss_scaling_variant(jmp_module, optimizer, loss):
+    """(init, step) of `jmp_module.loss_scaling` around `optimizer`: one optax transform.
+
+    `jmp_module` is `jmp_policy` itself, or another revision of it
+    (`bench_against_revision.py`).
+    """
+    tx = jmp_module.loss_scaling(optimizer, jmp_module.DynamicLossScale(INITIAL_SCALE))
+
+    def step(params, opt_state, extra, batch):
+        scale = jmp_module.get_loss_scale(opt_state)
+        grads, extra, _ = scaled_loss_grad(loss, scale, params, extra, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, extra
+
+    return tx.init, step
+
+
 def variants(optimizer, loss):
     """name -> (init(params) -> state, step(params, state, extra, batch) -> (params, state, extra))."""
     grad = jax.grad(loss, has_aux=True)
@@ -69,15 +98,7 @@ def variants(optimizer, loss):
     def with_scale(init):
         return lambda params: (init(params), jmp_policy.DynamicLossScale(INITIAL_SCALE))
 
-    def scaled_grad(scale, params, extra, batch):
-        """Gradients of the scaled loss, the new `extra` and the loss value (unscaled)."""
-
-        def scaled(p, e, b):
-            value, e = loss(p, e, b)
-            return scale.scale(value), (e, value)
-
-        grads, (extra, value) = jax.grad(scaled, has_aux=True)(params, extra, batch)
-        return grads, extra, value
+    scaled_grad = functools.partial(scaled_loss_grad, loss)
 
     guarded = optax.apply_if_finite(optimizer, max_consecutive_errors=10**6)
 
@@ -149,13 +170,6 @@ def variants(optimizer, loss):
         )
         return optax.apply_updates(params, updates), (opt_state, scale.adjust(finite)), extra
 
-    scaled = jmp_policy.loss_scaling(optimizer, jmp_policy.DynamicLossScale(INITIAL_SCALE))
-
-    def ours_step(params, opt_state, extra, batch):
-        grads, extra, _ = scaled_grad(jmp_policy.get_loss_scale(opt_state), params, extra, batch)
-        updates, opt_state = scaled.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, extra
-
     return {
         BASELINE: (optimizer.init, plain()),
         AGAIN: (optimizer.init, plain()),
@@ -163,7 +177,7 @@ def variants(optimizer, loss):
         "flax DynamicScale": (flax_init, flax_step),
         "jmp recipe": (with_scale(optimizer.init), jmp_step),
         "hand-written cond": (with_scale(optimizer.init), cond_step),
-        "jmp_policy.loss_scaling": (scaled.init, ours_step),
+        "jmp_policy.loss_scaling": loss_scaling_variant(jmp_policy, optimizer, loss),
         FLOOR: (with_scale(optimizer.init), floor_step),
     }
 
@@ -189,16 +203,17 @@ def _fresh(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
 
 
-def measure(shape, names=None, rounds=7, repeats=5, compiles=3):
+def measure(shape, names=None, rounds=7, repeats=5, compiles=3, make_variants=variants):
     """{variant: (compile s, step s, temp bytes)} for one shape.
 
     Compile time is the median of `compiles` interleaved compilations, each of
-    freshly made step functions, so no trace or compile cache is reused.
+    freshly made step functions (`make_variants(optimizer, loss)`), so no trace
+    or compile cache is reused.
     """
     optimizer = optax.adam(1e-3)
     compile_s, runners = {}, {}
     for _ in range(compiles):
-        for name, (init, step) in variants(optimizer, shape.loss).items():
+        for name, (init, step) in make_variants(optimizer, shape.loss).items():
             if names is None or name in names:
                 params = _fresh(shape.params)
                 runner = Runner(step, params, init(params), _fresh(shape.extra), shape.batch)
@@ -208,10 +223,10 @@ def measure(shape, names=None, rounds=7, repeats=5, compiles=3):
     return {n: (float(np.median(compile_s[n])), times[n], r.temp_bytes) for n, r in runners.items()}
 
 
-def table(results) -> str:
+def table(results, title="Train step on every model shape: mixed_float16, Adam, jit + donation"):
     """One markdown table: a row per shape and variant, ratios to plain optax."""
     lines = [
-        "Train step on every model shape: mixed_float16, Adam, jit + donation",
+        title,
         "",
         "Ratios to plain optax on the same shape in the same run (lower is better).",
         "",

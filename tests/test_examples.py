@@ -2,12 +2,16 @@
 
 import importlib.util
 import pathlib
+import shutil
 import sys
 
 import chex
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
+
+import jmp_policy as jmp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -146,6 +150,48 @@ def test_benchmark_floor_is_loss_scaling_without_the_check():
     moved = max(jax.tree.leaves(change))
     print(f"{shape.name}: largest parameter change {moved:.2e}, equal in both")
     assert moved > 0
+
+
+def _git_checkout() -> bool:
+    return shutil.which("git") is not None and (ROOT / ".git").exists()
+
+
+@pytest.mark.skipif(not _git_checkout(), reason="needs git and a git checkout of the project")
+def test_benchmark_against_a_revision_measures_both_loss_scalings():
+    # The revision is loaded as a package of its own: its loss_scaling runs,
+    # applies a finite step, skips an overflowing one, and the table has both.
+    bench = load("benchmarks/bench_against_revision.py")
+    old = bench.load_revision("HEAD")
+    assert old.__name__.startswith("jmp_policy_at_") and old.loss_scaling is not jmp.loss_scaling
+    assert old.transform.LossScalingState is not jmp.LossScalingState
+    shape = bench.SHAPES["mlp_float32"][1]()
+    init, step = bench.bench.loss_scaling_variant(old, optax.adam(1e-3), shape.loss)
+    state = init(shape.params)
+    moved, state, _ = jax.jit(step)(shape.params, state, {}, shape.batch)
+    x, y = shape.batch
+    overflow = (x.at[0, 0].set(jnp.inf), y)
+    kept, state, _ = jax.jit(step)(moved, state, {}, overflow)
+    change = max(
+        jax.tree.leaves(jax.tree.map(lambda a, b: float(abs(a - b).max()), moved, shape.params))
+    )
+    print(f"{old.__name__}: finite step moved parameters by up to {change:.2e}; overflow skipped")
+    assert change > 0 and int(state.skipped_steps) == 1
+    chex.assert_trees_all_equal(kept, moved)
+    text, _ = bench.main(["HEAD", "--quick", "--shapes", "mlp_float32"])
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| MLP")]
+    label = old.__name__.removeprefix("jmp_policy_at_")
+    assert [row[2] for row in rows] == [
+        "plain optax", "plain optax, again (noise)", f"loss_scaling at {label}",
+        "loss_scaling, working tree",
+    ]  # fmt: skip
+    assert rows[1][8] == "1.00x |"
+
+
+@pytest.mark.skipif(not _git_checkout(), reason="needs git and a git checkout of the project")
+def test_benchmark_against_a_revision_rejects_an_unknown_revision():
+    bench = load("benchmarks/bench_against_revision.py")
+    with pytest.raises(ValueError, match="git revision .* for `rev`, got 'no-such-revision'"):
+        bench.load_revision("no-such-revision")
 
 
 def test_gpu_benchmark_configurations_run_tiny_on_cpu():
