@@ -176,6 +176,44 @@ def test_clipping_sees_unscaled_gradients():
     chex.assert_trees_all_equal(updates, jax.tree.map(lambda g: -g, grads))
 
 
+def test_update_is_differentiable_in_both_modes():
+    # Meta-learning differentiates through a step (the loss after it, with
+    # respect to the learning rate and the starting parameters). On a finite
+    # step the derivatives are plain optax's: the skip must not block either
+    # mode (a loop with a data-dependent trip count would block reverse mode).
+    x = jnp.array([[1.0, -2.0], [0.5, 3.0], [-1.0, 0.25]])
+    y = jnp.array([1.0, -1.0, 0.5])
+
+    def loss(params):
+        return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+    def loss_after_step(lr, params, scaled):
+        inner = optax.sgd(lr, momentum=0.9)
+        if not scaled:
+            grads = jax.grad(loss)(params)
+            updates, _ = inner.update(grads, inner.init(params), params)
+        else:
+            tx = jmp.loss_scaling(inner, jmp.DynamicLossScale(2.0**10))
+            state = tx.init(params)
+            scale = jmp.get_loss_scale(state)
+            grads = jax.grad(lambda p: scale.scale(loss(p)))(params)
+            updates, _ = tx.update(grads, state, params)
+        return loss(optax.apply_updates(params, updates))
+
+    params = {"w": jnp.array([0.3, -0.2]), "b": jnp.array(0.1)}
+    lr = jnp.array(0.05)
+
+    def derivatives(scaled):
+        reverse = jax.grad(lambda lr, p: loss_after_step(lr, p, scaled), argnums=(0, 1))
+        forward = jax.jvp(lambda lr: loss_after_step(lr, params, scaled), (lr,), (1.0,))[1]
+        return jax.jit(reverse)(lr, params), forward
+
+    (d_lr, d_params), forward = derivatives(scaled=True)
+    print(f"d loss / d lr: reverse {float(d_lr):.6f}, forward {float(forward):.6f}")
+    chex.assert_trees_all_close(((d_lr, d_params), forward), derivatives(scaled=False), rtol=1e-6)
+    assert float(d_lr) < 0 and float(jnp.abs(d_params["w"]).max()) > 0
+
+
 @optax_promotion
 def test_schedule_does_not_advance_on_skipped_steps():
     schedule = optax.piecewise_constant_schedule(1.0, {2: 0.1})
