@@ -84,7 +84,8 @@ def main(argv=None):
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Do not edit by hand.",
         "",
         f"Machine: {common.machine()}; {os.cpu_count()} CPU cores.",
-        "Every figure is a median over interleaved rounds, as a ratio to a baseline measured in the same run.",
+        "Times are medians over interleaved rounds (compile times: the best of interleaved "
+        "compilations), each figure beside its ratio to a baseline measured in the same run.",
     ]
     text = (
         "\n".join(header)
