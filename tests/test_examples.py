@@ -133,6 +133,10 @@ def test_run_all_benchmarks_quick(tmp_path):
         assert float(row[3]) > 0 and float(row[5]) > 0
 
 
+def _largest_change(new, old) -> float:
+    return max(jax.tree.leaves(jax.tree.map(lambda a, b: float(abs(a - b).max()), new, old)))
+
+
 def test_benchmark_floor_is_loss_scaling_without_the_check():
     # The floor row claims to be loss_scaling's step minus the gradient check:
     # on a finite step both must compute the same parameters, bit for bit.
@@ -146,8 +150,7 @@ def test_benchmark_floor_is_loss_scaling_without_the_check():
         args = (params, init(params), bench._fresh(shape.extra), shape.batch)
         new[name] = jax.jit(step)(*args)[0]
     chex.assert_trees_all_equal(new[bench.FLOOR], new["jmp_policy.loss_scaling"])
-    change = jax.tree.map(lambda a, b: float(abs(a - b).max()), new[bench.FLOOR], shape.params)
-    moved = max(jax.tree.leaves(change))
+    moved = _largest_change(new[bench.FLOOR], shape.params)
     print(f"{shape.name}: largest parameter change {moved:.2e}, equal in both")
     assert moved > 0
 
@@ -171,9 +174,7 @@ def test_benchmark_against_a_revision_measures_both_loss_scalings():
     x, y = shape.batch
     overflow = (x.at[0, 0].set(jnp.inf), y)
     kept, state, _ = jax.jit(step)(moved, state, {}, overflow)
-    change = max(
-        jax.tree.leaves(jax.tree.map(lambda a, b: float(abs(a - b).max()), moved, shape.params))
-    )
+    change = _largest_change(moved, shape.params)
     print(f"{old.__name__}: finite step moved parameters by up to {change:.2e}; overflow skipped")
     assert change > 0 and int(state.skipped_steps) == 1
     chex.assert_trees_all_equal(kept, moved)

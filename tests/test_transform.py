@@ -204,9 +204,11 @@ def test_update_is_differentiable_in_both_modes():
     lr = jnp.array(0.05)
 
     def derivatives(scaled):
+        def forward(lr):
+            return jax.jvp(lambda lr: loss_after_step(lr, params, scaled), (lr,), (1.0,))[1]
+
         reverse = jax.grad(lambda lr, p: loss_after_step(lr, p, scaled), argnums=(0, 1))
-        forward = jax.jvp(lambda lr: loss_after_step(lr, params, scaled), (lr,), (1.0,))[1]
-        return jax.jit(reverse)(lr, params), forward
+        return jax.jit(reverse)(lr, params), jax.jit(forward)(lr)
 
     (d_lr, d_params), forward = derivatives(scaled=True)
     print(f"d loss / d lr: reverse {float(d_lr):.6f}, forward {float(forward):.6f}")
