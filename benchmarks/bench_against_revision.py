@@ -11,7 +11,7 @@ the float32 one the benchmarks used before the suite of shapes.
 
     python benchmarks/bench_against_revision.py REV [--shapes mlp,mlp_float32] [--quick]
 
-Shapes: mlp, mlp_float32, gpt (12 layers), gpt_scan, cnn, nnx. An old
+Shapes: `shapes.NAMES` (mlp, mlp_float32, gpt, gpt24, gpt_scan, cnn, nnx). An old
 revision may compile slowly on the GPT shapes (that is what issue 11 fixed).
 """
 
@@ -37,21 +37,6 @@ from common import machine  # noqa: E402
 import jmp_policy  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-SHAPES = {
-    "mlp": (shapes.mlp, lambda: shapes.mlp(width=32, batch=8)),
-    "mlp_float32": (
-        lambda: shapes.mlp(policy="float32"),
-        lambda: shapes.mlp(width=32, batch=8, policy="float32"),
-    ),
-    "gpt": (shapes.gpt, lambda: shapes.gpt(layers=1, dim=16, length=8, batch=2)),
-    "gpt_scan": (
-        lambda: shapes.gpt(scan=True),
-        lambda: shapes.gpt(layers=1, dim=16, length=8, batch=2, scan=True),
-    ),
-    "cnn": (shapes.cnn, lambda: shapes.cnn(batch=2, size=8)),
-    "nnx": (lambda: shapes.nnx_gpt(layers=12), lambda: shapes.nnx_gpt(layers=1, dim=16)),
-}
 
 
 def load_revision(rev: str) -> types.ModuleType:
@@ -109,21 +94,21 @@ def revision_variants(old: types.ModuleType, label: str):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("rev", help="git revision to compare with, e.g. 17d6959 or HEAD~3")
-    parser.add_argument("--shapes", default="mlp,mlp_float32", help=", ".join(SHAPES))
+    parser.add_argument("--shapes", default="mlp,mlp_float32", help=", ".join(shapes.NAMES))
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke test")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--compiles", type=int, default=3)
     args = parser.parse_args(argv)
     chosen = args.shapes.split(",")
-    unknown = sorted(set(chosen) - set(SHAPES))
+    unknown = sorted(set(chosen) - set(shapes.NAMES))
     if unknown:
-        parser.error(f"unknown shapes {unknown}; choose from {', '.join(SHAPES)}")
+        parser.error(f"unknown shapes {unknown}; choose from {', '.join(shapes.NAMES)}")
     old = load_revision(args.rev)
     label = old.__name__.removeprefix("jmp_policy_at_")
     rounds, repeats, compiles = (1, 1, 1) if args.quick else (args.rounds, 5, args.compiles)
     results = {}
     for key in chosen:
-        shape = SHAPES[key][args.quick]()
+        shape = shapes.by_name(key, args.quick)
         print(f"{shape.name} ({shape.leaves} leaves) ...", flush=True)
         results[(shape.name, shape.leaves)] = bench.measure(
             shape, rounds=rounds, repeats=repeats, compiles=compiles,

@@ -129,21 +129,30 @@ def nnx_gpt(layers=4, dim=32, length=16, batch=8, vocab=64) -> Shape:
     return Shape(f"NNX GPT {layers} layers", params, rest, (x, y), loss)
 
 
+def by_name(name: str, quick: bool = False) -> Shape:
+    """One shape of `NAMES`, at benchmark size or (quick) test size."""
+    tiny_gpt = dict(dim=16, length=8, batch=2)
+    made = {
+        "mlp": lambda: mlp(width=32, batch=8) if quick else mlp(),
+        "mlp_float32": lambda: mlp(**(dict(width=32, batch=8) if quick else {}), policy="float32"),
+        "gpt": lambda: gpt(layers=1, **tiny_gpt) if quick else gpt(layers=12),
+        "gpt24": lambda: gpt(layers=2, **tiny_gpt) if quick else gpt(layers=24),
+        "gpt_scan": lambda: gpt(layers=1, **tiny_gpt, scan=True) if quick else gpt(scan=True),
+        "cnn": lambda: cnn(batch=2, size=8) if quick else cnn(),
+        "nnx": lambda: nnx_gpt(layers=1, **tiny_gpt) if quick else nnx_gpt(layers=12),
+    }
+    return made[name]()
+
+
+NAMES = ("mlp", "mlp_float32", "gpt", "gpt24", "gpt_scan", "cnn", "nnx")
+
+
 def all_shapes(quick: bool = False) -> list[Shape]:
-    """The suite: every shape above, at benchmark size or (quick) test size."""
-    if quick:
-        return [
-            mlp(width=32, batch=8),
-            gpt(layers=1, dim=16, length=8, batch=2),
-            gpt(layers=1, dim=16, length=8, batch=2, scan=True),
-            cnn(batch=2, size=8),
-            nnx_gpt(layers=1, dim=16, length=8, batch=2),
-        ]
-    return [
-        mlp(),
-        gpt(layers=12),
-        gpt(layers=24),
-        gpt(layers=12, scan=True),
-        cnn(),
-        nnx_gpt(layers=12),
-    ]
+    """The suite: every shape above (the float32 MLP aside), at benchmark size or (quick)
+    test size; quick mode leaves out the 24-block GPT."""
+    names = (
+        ("mlp", "gpt", "gpt_scan", "cnn", "nnx")
+        if quick
+        else ("mlp", "gpt", "gpt24", "gpt_scan", "cnn", "nnx")
+    )
+    return [by_name(name, quick) for name in names]

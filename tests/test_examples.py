@@ -167,7 +167,7 @@ def test_benchmark_against_a_revision_measures_both_loss_scalings():
     old = bench.load_revision("HEAD")
     assert old.__name__.startswith("jmp_policy_at_") and old.loss_scaling is not jmp.loss_scaling
     assert old.transform.LossScalingState is not jmp.LossScalingState
-    shape = bench.SHAPES["mlp_float32"][1]()
+    shape = bench.shapes.by_name("mlp_float32", quick=True)
     init, step = bench.bench.loss_scaling_variant(old, optax.adam(1e-3), shape.loss)
     state = init(shape.params)
     moved, state, _ = jax.jit(step)(shape.params, state, {}, shape.batch)
