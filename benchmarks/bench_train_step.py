@@ -203,7 +203,7 @@ def _fresh(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
 
 
-def measure(shape, names=None, rounds=7, repeats=5, compiles=3, make_variants=variants):
+def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants):
     """{variant: (compile s, step s, temp bytes)} for one shape.
 
     Compile time is the best of `compiles` interleaved compilations, each of
@@ -215,11 +215,7 @@ def measure(shape, names=None, rounds=7, repeats=5, compiles=3, make_variants=va
     optimizer = optax.adam(1e-3)
     compile_s, runners = {}, {}
     for i in range(compiles):
-        made = [
-            (n, v)
-            for n, v in make_variants(optimizer, shape.loss).items()
-            if names is None or n in names
-        ]
+        made = list(make_variants(optimizer, shape.loss).items())
         first = i * len(made) // compiles
         for name, (init, step) in made[first:] + made[:first]:
             params = _fresh(shape.params)
