@@ -89,7 +89,7 @@ def mlp(width=1024, batch=256, policy=POLICY) -> Shape:
 def gpt(layers=12, dim=32, length=16, batch=8, vocab=64, scan=False) -> Shape:
     model = jmp.linen.mixed_precision(GPT(vocab, dim, length, layers, scan), jmp.get_policy(POLICY))
     x, y = _tokens(vocab, length, batch)
-    params = model.init(jax.random.key(0), x)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
 
     def loss(params, extra, batch):
         return _cross_entropy(model.apply({"params": params}, batch[0]), batch[1]), extra
@@ -102,7 +102,7 @@ def cnn(batch=16, size=16) -> Shape:
     model = jmp.linen.mixed_precision(CNN((16, 32, 32), 10), jmp.get_policy(POLICY))
     x = jax.random.normal(jax.random.key(1), (batch, size, size, 3))
     y = jax.random.randint(jax.random.key(2), (batch,), 0, 10)
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
 
     def loss(params, extra, batch):
         logits, updated = model.apply(

