@@ -29,7 +29,7 @@ import optax
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import interleaved_medians, machine  # noqa: E402
+from common import QUICK_COMPILER_OPTIONS, interleaved_medians, machine  # noqa: E402
 
 import jmp_policy as jmp  # noqa: E402
 
@@ -127,14 +127,15 @@ def make_step(tx, loss_fn):
     return step
 
 
-def train(task, name, steps, lr):
+def train(task, name, steps, lr, compiler_options=None):
     _, params, extra, loss_fn, batch_at, held_out = task
     tx, dtype = variant(name, lr)
     params = cast_floating(params, dtype)
     opt_state = tx.init(params)
     batch = batch_at(0)
     # Compiled once, ahead of time: the same executable trains and reports its memory.
-    step = make_step(tx, loss_fn).lower(params, opt_state, extra, *batch).compile()
+    lowered = make_step(tx, loss_fn).lower(params, opt_state, extra, *batch)
+    step = lowered.compile(compiler_options)
     kept = step.memory_analysis().argument_size_in_bytes - sum(b.nbytes for b in batch)
     kept -= sum(x.nbytes for x in jax.tree.leaves(extra))
     bytes_per_param = kept / sum(x.size for x in jax.tree.leaves(params))
@@ -200,7 +201,9 @@ def main(argv=None):
         finals, memory, steppers = {}, {}, {}
         curves[title] = {}
         for name in VARIANTS:
-            losses, final, memory[name], steppers[name] = train(task, name, steps[key], args.lr)
+            losses, final, memory[name], steppers[name] = train(
+                task, name, steps[key], args.lr, QUICK_COMPILER_OPTIONS if args.quick else None
+            )
             curves[title][name] = losses
             finals[name] = final
         times = interleaved_medians(

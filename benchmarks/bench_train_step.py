@@ -44,7 +44,7 @@ import optax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import shapes  # noqa: E402
-from common import interleaved_medians, machine  # noqa: E402
+from common import QUICK_COMPILER_OPTIONS, interleaved_medians, machine  # noqa: E402
 
 import jmp_policy  # noqa: E402
 
@@ -185,14 +185,14 @@ def variants(optimizer, loss):
 class Runner:
     """Compiles a donated step once, then calls it on its own, fresh buffers."""
 
-    def __init__(self, step, params, state, extra, batch):
-        self.step = jax.jit(step, donate_argnums=(0, 1, 2))
+    def __init__(self, step, params, state, extra, batch, compiler_options=None):
         self.args = [params, state, extra]
         self.batch = batch
         start = time.perf_counter()
-        compiled = self.step.lower(params, state, extra, batch).compile()
+        lowered = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, extra, batch)
+        self.step = lowered.compile(compiler_options)
         self.compile_s = time.perf_counter() - start
-        self.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+        self.temp_bytes = self.step.memory_analysis().temp_size_in_bytes
 
     def __call__(self):
         self.args = list(self.step(*self.args, self.batch))
@@ -203,14 +203,15 @@ def _fresh(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
 
 
-def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants):
+def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants, compiler_options=None):
     """{variant: (compile s, step s, temp bytes)} for one shape.
 
     Compile time is the best of `compiles` interleaved compilations, each of
     freshly made step functions (`make_variants(optimizer, loss)`), so no trace
     or compile cache is reused. Noise only ever adds time, so the best is the
     estimate of the cost; each round starts with a different variant, so no
-    variant always pays for coming first.
+    variant always pays for coming first. `compiler_options` go to XLA
+    (`QUICK_COMPILER_OPTIONS` in quick mode).
     """
     optimizer = optax.adam(1e-3)
     compile_s, runners = {}, {}
@@ -219,7 +220,9 @@ def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants):
         first = i * len(made) // compiles
         for name, (init, step) in made[first:] + made[:first]:
             params = _fresh(shape.params)
-            runner = Runner(step, params, init(params), _fresh(shape.extra), shape.batch)
+            runner = Runner(
+                step, params, init(params), _fresh(shape.extra), shape.batch, compiler_options
+            )
             compile_s.setdefault(name, []).append(runner.compile_s)
             runners.setdefault(name, runner)
     times = interleaved_medians(runners, {n: () for n in runners}, rounds=rounds, repeats=repeats)
@@ -246,7 +249,11 @@ def table(results, title="Train step on every model shape: mixed_float16, Adam, 
     return "\n".join(lines)
 
 
-def sweep(layer_counts, names=(BASELINE, "optax.apply_if_finite", "jmp_policy.loss_scaling")):
+def sweep(
+    layer_counts,
+    names=(BASELINE, "optax.apply_if_finite", "jmp_policy.loss_scaling"),
+    compiler_options=None,
+):
     """[(leaves, {variant: compile s})] for GPT loops of the given depths."""
     points = []
     for layers in layer_counts:
@@ -256,7 +263,7 @@ def sweep(layer_counts, names=(BASELINE, "optax.apply_if_finite", "jmp_policy.lo
         for name, (init, step) in variants(optimizer, shape.loss).items():
             if name in names:
                 params = _fresh(shape.params)
-                runner = Runner(step, params, init(params), {}, shape.batch)
+                runner = Runner(step, params, init(params), {}, shape.batch, compiler_options)
                 compile_s[name] = runner.compile_s
         points.append((shape.leaves, compile_s))
         print(
@@ -317,15 +324,16 @@ def main(argv=None):
     rounds, repeats, compiles = (
         (1, 1, 1) if args.quick else (args.rounds, args.repeats, args.compiles)
     )
+    options = QUICK_COMPILER_OPTIONS if args.quick else None
     results = {}
     for shape in shapes.all_shapes(quick=args.quick):
         print(f"{shape.name} ({shape.leaves} leaves) ...", flush=True)
         results[(shape.name, shape.leaves)] = measure(
-            shape, rounds=rounds, repeats=repeats, compiles=compiles
+            shape, rounds=rounds, repeats=repeats, compiles=compiles, compiler_options=options
         )
     tables = [table(results)]
     if args.sweep:
-        points = sweep((1, 2) if args.quick else (3, 6, 12, 25, 50))
+        points = sweep((1, 2) if args.quick else (3, 6, 12, 25, 50), compiler_options=options)
         plot(points, args.sweep)
         tables.append(sweep_table(points))
     print(machine())
