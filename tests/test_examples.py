@@ -97,6 +97,7 @@ def test_run_all_benchmarks_quick(tmp_path):
     # timings (this machine is shared); XLA's buffer sizes are deterministic.
     text = load("benchmarks/run_all.py").main(["--quick", "--out", str(tmp_path / "B.md")])
     assert (tmp_path / "B.md").read_text() == text
+    assert "Quick mode: tiny shapes" in text  # its figures are labelled as measuring nothing
     for heading in ("all_finite", "Train step on every model shape", "Compile time against",
                     "autocast vs hand-cast", "Low-precision parameters", "GPU"):  # fmt: skip
         assert f"## {heading}" in text
