@@ -32,7 +32,7 @@ import types
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_train_step as bench  # noqa: E402
 import shapes  # noqa: E402
-from common import QUICK_COMPILER_OPTIONS, machine  # noqa: E402
+from common import machine, xla_options  # noqa: E402
 
 import jmp_policy  # noqa: E402
 
@@ -113,7 +113,7 @@ def main(argv=None):
         results[(shape.name, shape.leaves)] = bench.measure(
             shape, rounds=rounds, repeats=repeats, compiles=compiles,
             make_variants=revision_variants(old, label),
-            compiler_options=QUICK_COMPILER_OPTIONS if args.quick else None,
+            compiler_options=xla_options(args.quick),
         )  # fmt: skip
     text = bench.table(results, f"loss_scaling at {label} (`{args.rev}`) and in the working tree")
     print(machine())

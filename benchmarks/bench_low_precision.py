@@ -29,7 +29,7 @@ import optax
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import QUICK_COMPILER_OPTIONS, interleaved_medians, machine  # noqa: E402
+from common import interleaved_medians, machine, xla_options  # noqa: E402
 
 import jmp_policy as jmp  # noqa: E402
 
@@ -202,7 +202,7 @@ def main(argv=None):
         curves[title] = {}
         for name in VARIANTS:
             losses, final, memory[name], steppers[name] = train(
-                task, name, steps[key], args.lr, QUICK_COMPILER_OPTIONS if args.quick else None
+                task, name, steps[key], args.lr, xla_options(args.quick)
             )
             curves[title][name] = losses
             finals[name] = final

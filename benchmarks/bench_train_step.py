@@ -44,7 +44,7 @@ import optax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import shapes  # noqa: E402
-from common import QUICK_COMPILER_OPTIONS, interleaved_medians, machine  # noqa: E402
+from common import interleaved_medians, machine, xla_options  # noqa: E402
 
 import jmp_policy  # noqa: E402
 
@@ -211,7 +211,7 @@ def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants, comp
     or compile cache is reused. Noise only ever adds time, so the best is the
     estimate of the cost; each round starts with a different variant, so no
     variant always pays for coming first. `compiler_options` go to XLA
-    (`QUICK_COMPILER_OPTIONS` in quick mode).
+    (`common.xla_options`).
     """
     optimizer = optax.adam(1e-3)
     compile_s, runners = {}, {}
@@ -324,7 +324,7 @@ def main(argv=None):
     rounds, repeats, compiles = (
         (1, 1, 1) if args.quick else (args.rounds, args.repeats, args.compiles)
     )
-    options = QUICK_COMPILER_OPTIONS if args.quick else None
+    options = xla_options(args.quick)
     results = {}
     for shape in shapes.all_shapes(quick=args.quick):
         print(f"{shape.name} ({shape.leaves} leaves) ...", flush=True)

@@ -6,11 +6,16 @@ import time
 import jax
 import numpy as np
 
-# Quick (smoke-test) runs compile their train steps with XLA's backend (LLVM)
-# optimisation off: about half the compile time of the tiny shapes, the same HLO
-# and the same buffers (memory figures unchanged). Quick figures show that a
-# benchmark runs; they measure nothing.
-QUICK_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+def xla_options(quick: bool) -> dict | None:
+    """XLA options for a benchmark's ahead-of-time compiles.
+
+    Quick (smoke-test) runs compile with XLA's backend (LLVM) optimisation off:
+    about half the compile time of the tiny shapes, the same HLO and the same
+    buffers (memory figures unchanged). Quick figures show that a benchmark
+    runs; they measure nothing. Full runs use XLA's defaults (None).
+    """
+    return {"xla_backend_optimization_level": 0} if quick else None
 
 
 def median_seconds(fn, *args, repeats=30, warmup=3):
