@@ -25,8 +25,8 @@ differ in how the step is scaled, checked and skipped:
 Reports trace+compile time (the best of interleaved compilations), the median
 step time over interleaved rounds and XLA's temp bytes (`memory_analysis()`),
 each as a ratio to plain optax in the same run. `--sweep` adds compile time
-against the number of leaves (GPT loops of 3 to 50 blocks: 53 to 805 leaves)
-and draws it to a PNG.
+against the number of leaves (GPT loops of 3 to 50 blocks: 53 to 805 leaves;
+the best of `--compiles` interleaved compilations too) and draws it to a PNG.
 
     python benchmarks/bench_train_step.py [--quick] [--rounds 7] [--sweep PNG]
 """
@@ -203,15 +203,14 @@ def _fresh(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
 
 
-def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants, compiler_options=None):
-    """{variant: (compile s, step s, temp bytes)} for one shape.
+def compile_variants(shape, make_variants=variants, compiles=3, compiler_options=None):
+    """({variant: Runner}, {variant: best compile s}) for one shape.
 
-    Compile time is the best of `compiles` interleaved compilations, each of
-    freshly made step functions (`make_variants(optimizer, loss)`), so no trace
-    or compile cache is reused. Noise only ever adds time, so the best is the
-    estimate of the cost; each round starts with a different variant, so no
-    variant always pays for coming first. `compiler_options` go to XLA
-    (`common.xla_options`).
+    Every variant is compiled `compiles` times, each time from freshly made step
+    functions (`make_variants(optimizer, loss)`), so no trace or compile cache
+    is reused. Noise only ever adds time, so the best is the estimate of the
+    cost; each round starts with a different variant, so no variant always pays
+    for coming first. `compiler_options` go to XLA (`common.xla_options`).
     """
     optimizer = optax.adam(1e-3)
     compile_s, runners = {}, {}
@@ -225,8 +224,15 @@ def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants, comp
             )
             compile_s.setdefault(name, []).append(runner.compile_s)
             runners.setdefault(name, runner)
+    return runners, {name: min(times) for name, times in compile_s.items()}
+
+
+def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants, compiler_options=None):
+    """{variant: (compile s, step s, temp bytes)} for one shape: compile time as in
+    `compile_variants`, step time the median over interleaved rounds."""
+    runners, compile_s = compile_variants(shape, make_variants, compiles, compiler_options)
     times = interleaved_medians(runners, {n: () for n in runners}, rounds=rounds, repeats=repeats)
-    return {n: (min(compile_s[n]), times[n], r.temp_bytes) for n, r in runners.items()}
+    return {n: (compile_s[n], times[n], r.temp_bytes) for n, r in runners.items()}
 
 
 def table(results, title="Train step on every model shape: mixed_float16, Adam, jit + donation"):
@@ -252,19 +258,19 @@ def table(results, title="Train step on every model shape: mixed_float16, Adam, 
 def sweep(
     layer_counts,
     names=(BASELINE, "optax.apply_if_finite", "jmp_policy.loss_scaling"),
+    compiles=3,
     compiler_options=None,
 ):
-    """[(leaves, {variant: compile s})] for GPT loops of the given depths."""
+    """[(leaves, {variant: best compile s})] for GPT loops of the given depths
+    (`compile_variants`, restricted to `names`)."""
+
+    def some_variants(optimizer, loss):
+        return {n: v for n, v in variants(optimizer, loss).items() if n in names}
+
     points = []
     for layers in layer_counts:
         shape = shapes.gpt(layers=layers, dim=16, length=8, batch=2)
-        optimizer = optax.adam(1e-3)
-        compile_s = {}
-        for name, (init, step) in variants(optimizer, shape.loss).items():
-            if name in names:
-                params = _fresh(shape.params)
-                runner = Runner(step, params, init(params), {}, shape.batch, compiler_options)
-                compile_s[name] = runner.compile_s
+        _, compile_s = compile_variants(shape, some_variants, compiles, compiler_options)
         points.append((shape.leaves, compile_s))
         print(
             f"  {shape.leaves} leaves: " + ", ".join(f"{n} {s:.1f}s" for n, s in compile_s.items())
@@ -333,7 +339,8 @@ def main(argv=None):
         )
     tables = [table(results)]
     if args.sweep:
-        points = sweep((1, 2) if args.quick else (3, 6, 12, 25, 50), compiler_options=options)
+        depths = (1, 2) if args.quick else (3, 6, 12, 25, 50)
+        points = sweep(depths, compiles=compiles, compiler_options=options)
         plot(points, args.sweep)
         tables.append(sweep_table(points))
     print(machine())
