@@ -314,14 +314,22 @@ def _run_if_finite(finite, apply, grads, inner_state):
 
     Only one of the two runs: a skipped step does no optimizer work.
     """
-    update_types = jax.eval_shape(apply, grads, inner_state)[0]
+    traced = []
+
+    def run(grads, inner_state):
+        updates, new_inner = apply(grads, inner_state)
+        traced.append(jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape, u.dtype), updates))
+        return updates, new_inner
 
     def skip(grads, inner_state):
+        # `lax.cond` traces `run` first, which recorded the updates' types; only
+        # if it did not is the inner optimizer traced a second time for them.
+        types = traced[-1] if traced else jax.eval_shape(apply, grads, inner_state)[0]
         # -0.0: p + (-0.0) == p bit for bit, for every p including +0.0.
-        zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), update_types)
+        zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), types)
         return zeros, inner_state
 
-    return lax.cond(finite, apply, skip, grads, inner_state)
+    return lax.cond(finite, run, skip, grads, inner_state)
 
 
 def find_states(opt_state: Any, cls: type[T]) -> list[T]:

@@ -156,6 +156,33 @@ def test_no_recompilation_after_first_step():
     assert step._cache_size() == 1
 
 
+@optax_promotion
+def test_inner_optimizer_is_traced_once():
+    # Tracing is part of the compile time users pay: the skip branch must take
+    # the updates' types from the apply branch's trace, not trace the inner
+    # optimizer (hundreds of leaves of Adam) a second time.
+    calls = []
+    adam = optax.adam(1e-3)
+
+    def update(updates, state, params=None):
+        calls.append(1)
+        return adam.update(updates, state, params)
+
+    tx = jmp.loss_scaling(
+        optax.GradientTransformation(adam.init, update), jmp.DynamicLossScale(2.0**15)
+    )
+    params = make_params()
+    state = tx.init(params)
+    jax.jit(tx.update).trace(clean_grads(0), state, params)
+    assert len(calls) == 1
+    # And the step it compiles is the same: finite applied, overflow skipped.
+    updates, state = jax.jit(tx.update)(clean_grads(0), state, params)
+    assert not bool(state.last_step_skipped)
+    updates, state = jax.jit(tx.update)(poison(clean_grads(1), jnp.inf), state, params)
+    assert bool(state.last_step_skipped)
+    assert all(bool(jnp.all(u == 0) & jnp.all(jnp.signbit(u))) for u in jax.tree.leaves(updates))
+
+
 def test_counters_saturate():
     tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0))
     params = {"w": jnp.ones(2)}
