@@ -176,9 +176,10 @@ def test_inner_optimizer_is_traced_once():
     jax.jit(tx.update).trace(clean_grads(0), state, params)
     assert len(calls) == 1
     # And the step it compiles is the same: finite applied, overflow skipped.
-    updates, state = jax.jit(tx.update)(clean_grads(0), state, params)
+    step = jax.jit(tx.update)
+    updates, state = step(clean_grads(0), state, params)
     assert not bool(state.last_step_skipped)
-    updates, state = jax.jit(tx.update)(poison(clean_grads(1), jnp.inf), state, params)
+    updates, state = step(poison(clean_grads(1), jnp.inf), state, params)
     assert bool(state.last_step_skipped)
     assert all(bool(jnp.all(u == 0) & jnp.all(jnp.signbit(u))) for u in jax.tree.leaves(updates))
 
