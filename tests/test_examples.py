@@ -156,6 +156,31 @@ def test_benchmark_floor_is_loss_scaling_without_the_check():
     assert moved > 0
 
 
+def test_compile_instruction_count_compiles_each_variant_and_reads_its_dumps(tmp_path, capsys):
+    # Without valgrind the child only compiles (the warm-up first); the parent
+    # keeps the dumps the child triggered and none other (callgrind's final one).
+    bench = load("benchmarks/bench_compile_instructions.py")
+    bench.child("mlp", True, ["jmp_policy.loss_scaling", "plain optax"])
+    assert capsys.readouterr().out.splitlines() == [
+        "0 plain optax", "1 plain optax", "2 jmp_policy.loss_scaling"
+    ]  # fmt: skip
+    triggers = ["dump compile0", "dump compile1", "dump compile2", "Program termination"]
+    for n, (trigger, count) in enumerate(zip(triggers, (900, 1000, 1300, 5000), strict=True), 1):
+        header = f"version: 1\ncmd: python\ndesc: Trigger: {trigger}\nevents: Ir\n"
+        (tmp_path / f"callgrind.out.{n}").write_text(header + f"summary: {count}\n")
+    assert bench.read_dumps(str(tmp_path / "callgrind.out")) == {0: 900, 1: 1000, 2: 1300}
+    text = bench.table({"mlp": {"plain optax": 1000, "jmp_policy.loss_scaling": 1300}})
+    assert "| mlp | jmp_policy.loss_scaling | 0.00 | 1.300x |" in text.splitlines()
+
+
+def test_compile_instruction_count_rejects_unknown_names():
+    bench = load("benchmarks/bench_compile_instructions.py")
+    with pytest.raises(ValueError, match="Unknown --shapes 'mlp,resnet'; expected names among"):
+        bench.main(["--shapes", "mlp,resnet"])
+    with pytest.raises(ValueError, match="Unknown --variants 'adam'; expected names among"):
+        bench.main(["--variants", "adam"])
+
+
 def _git_checkout() -> bool:
     return shutil.which("git") is not None and (ROOT / ".git").exists()
 
