@@ -6,14 +6,15 @@ designs. The number of instructions the tracer and XLA execute to build a step
 moves by about 1%: that is what this counts, with valgrind's callgrind.
 
 Every variant of `bench_train_step.py` is traced and compiled once, in one
-process run under callgrind, with counting on only around each
-`jit(step).lower(...).compile()`. A warm-up compile of plain optax comes first
-and is not reported (the first compile in a process pays one-time costs). Every
-figure is a ratio to plain optax in the same process; the A/A row, plain optax
-compiled again, shows the residual noise.
+process run under callgrind, with counting on only around each compile
+(`bench_train_step.Runner`: `jit` with donation, `lower`, `compile`). A warm-up
+compile of plain optax comes first and is not reported (the first compile in a
+process pays one-time costs). Every figure is a ratio to plain optax in the
+same process; the A/A row, plain optax compiled again, shows the residual
+noise.
 
 Needs valgrind (`apt-get install valgrind`); a compile runs 50-100x slower
-under it, so a shape with eight variants takes 15-60 minutes.
+under it, so a shape with eight variants takes 15-70 minutes.
 
     python benchmarks/bench_compile_instructions.py [--shapes cnn,gpt_scan] [--quick]
 """
@@ -63,7 +64,7 @@ def child(shape_name: str, quick: bool, only: list[str]) -> None:
         args = (params, init(params), bench._fresh(shape.extra), shape.batch)
         jax.block_until_ready(args)
         _callgrind("--zero")
-        jax.jit(step, donate_argnums=(0, 1, 2)).lower(*args).compile()
+        bench.Runner(step, *args)  # trace, compile (jit + donation) and memory_analysis
         _callgrind(f"--dump=compile{k}")
         print(f"{k} {name}", flush=True)
 
