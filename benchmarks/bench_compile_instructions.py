@@ -42,7 +42,8 @@ _COUNTING = "JMP_POLICY_UNDER_CALLGRIND"
 
 
 def _callgrind(*command: str) -> None:
-    # Sends a command (e.g. "-z": zero the counters) to this process's callgrind.
+    # Sends a command (e.g. "--zero": zero the counters) to this process's callgrind;
+    # a no-op when not run under callgrind by `measure`.
     if os.environ.get(_COUNTING):
         subprocess.run(
             ["callgrind_control", *command, str(os.getpid())],
