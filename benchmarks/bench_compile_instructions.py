@@ -60,6 +60,8 @@ def child(shape_name: str, quick: bool, only: list[str]) -> None:
     names = [n for n in bench.variants(optax.adam(1e-3), shape.loss) if not only or n in only]
     _callgrind("--instr=on")
     for k, name in enumerate([bench.BASELINE, *names]):  # the first is the warm-up
+        # Built again for every compile: a new `step` function each time, so JAX's
+        # tracing caches cannot hand the baseline the warm-up's trace.
         init, step = bench.variants(optax.adam(1e-3), shape.loss)[name]
         params = bench._fresh(shape.params)
         args = (params, init(params), bench._fresh(shape.extra), shape.batch)
