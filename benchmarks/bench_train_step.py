@@ -22,11 +22,12 @@ differ in how the step is scaled, checked and skipped:
   loss with an overflowing gradient goes through): it is what the skip costs
   before any check.
 
-Reports trace+compile time (the best of interleaved compilations), the median
-step time over interleaved rounds and XLA's temp bytes (`memory_analysis()`),
-each as a ratio to plain optax in the same run. `--sweep` adds compile time
-against the number of leaves (GPT loops of 3 to 50 blocks: 53 to 805 leaves;
-the best of `--compiles` interleaved compilations too) and draws it to a PNG.
+Reports trace+compile time and XLA's compile time alone (each the best of
+interleaved compilations), the median step time over interleaved rounds and
+XLA's temp bytes (`memory_analysis()`), each as a ratio to plain optax in the
+same run. `--sweep` adds compile time against the number of leaves (GPT loops
+of 3 to 50 blocks: 53 to 805 leaves; the best of `--compiles` interleaved
+compilations too) and draws it to a PNG.
 
     python benchmarks/bench_train_step.py [--quick] [--rounds 7] [--sweep PNG]
 """
@@ -190,8 +191,11 @@ class Runner:
         self.batch = batch
         start = time.perf_counter()
         lowered = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, extra, batch)
+        traced = time.perf_counter()
         self.step = lowered.compile(compiler_options)
-        self.compile_s = time.perf_counter() - start
+        end = time.perf_counter()
+        self.compile_s = end - start  # trace, lower and XLA's compile
+        self.xla_s = end - traced  # XLA's compile alone
         self.temp_bytes = self.step.memory_analysis().temp_size_in_bytes
 
     def __call__(self):
@@ -204,16 +208,18 @@ def _fresh(tree):
 
 
 def compile_variants(shape, make_variants=variants, compiles=3, compiler_options=None):
-    """({variant: Runner}, {variant: best compile s}) for one shape.
+    """({variant: Runner}, {variant: best compile s}, {variant: best XLA compile s}) for one shape.
 
     Every variant is compiled `compiles` times, each time from freshly made step
     functions (`make_variants(optimizer, loss)`), so no trace or compile cache
     is reused. Noise only ever adds time, so the best is the estimate of the
-    cost; each round starts with a different variant, so no variant always pays
-    for coming first. `compiler_options` go to XLA (`common.xla_options`).
+    cost (of the whole compile, and of XLA's part alone: the rest is tracing and
+    lowering, in Python); each round starts with a different variant, so no
+    variant always pays for coming first. `compiler_options` go to XLA
+    (`common.xla_options`).
     """
     optimizer = optax.adam(1e-3)
-    compile_s, runners = {}, {}
+    compile_s, xla_s, runners = {}, {}, {}
     for i in range(compiles):
         made = list(make_variants(optimizer, shape.loss).items())
         first = i * len(made) // compiles
@@ -223,16 +229,18 @@ def compile_variants(shape, make_variants=variants, compiles=3, compiler_options
                 step, params, init(params), _fresh(shape.extra), shape.batch, compiler_options
             )
             compile_s.setdefault(name, []).append(runner.compile_s)
+            xla_s.setdefault(name, []).append(runner.xla_s)
             runners.setdefault(name, runner)
-    return runners, {name: min(times) for name, times in compile_s.items()}
+    best = {name: min(times) for name, times in compile_s.items()}
+    return runners, best, {name: min(times) for name, times in xla_s.items()}
 
 
 def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants, compiler_options=None):
-    """{variant: (compile s, step s, temp bytes)} for one shape: compile time as in
-    `compile_variants`, step time the median over interleaved rounds."""
-    runners, compile_s = compile_variants(shape, make_variants, compiles, compiler_options)
+    """{variant: (compile s, XLA compile s, step s, temp bytes)} for one shape: compile
+    times as in `compile_variants`, step time the median over interleaved rounds."""
+    runners, compile_s, xla_s = compile_variants(shape, make_variants, compiles, compiler_options)
     times = interleaved_medians(runners, {n: () for n in runners}, rounds=rounds, repeats=repeats)
-    return {n: (compile_s[n], times[n], r.temp_bytes) for n, r in runners.items()}
+    return {n: (compile_s[n], xla_s[n], times[n], r.temp_bytes) for n, r in runners.items()}
 
 
 def table(results, title="Train step on every model shape: mixed_float16, Adam, jit + donation"):
@@ -240,17 +248,21 @@ def table(results, title="Train step on every model shape: mixed_float16, Adam, 
     lines = [
         title,
         "",
-        "Ratios to plain optax on the same shape in the same run (lower is better).",
+        "Ratios to plain optax on the same shape in the same run (lower is better). Compile: "
+        "trace, lower and XLA's compile; XLA: XLA's compile alone (the rest is tracing and "
+        "lowering, in Python).",
         "",
-        "| shape | leaves | variant | compile s | compile | step ms | step | temp MiB | temp |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| shape | leaves | variant | compile s | compile | XLA s | XLA | step ms | step "
+        "| temp MiB | temp |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (shape_name, leaves), rows in results.items():
-        c0, t0, m0 = rows[BASELINE]
-        for name, (c, t, m) in rows.items():
+        c0, x0, t0, m0 = rows[BASELINE]
+        for name, (c, x, t, m) in rows.items():
             lines.append(
-                f"| {shape_name} | {leaves} | {name} | {c:.2f} | {c / c0:.2f}x | "
-                f"{t * 1e3:.2f} | {t / t0:.2f}x | {m / 2**20:.1f} | {m / max(m0, 1):.2f}x |"
+                f"| {shape_name} | {leaves} | {name} | {c:.2f} | {c / c0:.2f}x | {x:.2f} | "
+                f"{x / x0:.2f}x | {t * 1e3:.2f} | {t / t0:.2f}x | {m / 2**20:.1f} | "
+                f"{m / max(m0, 1):.2f}x |"
             )
     return "\n".join(lines)
 
@@ -270,7 +282,7 @@ def sweep(
     points = []
     for layers in layer_counts:
         shape = shapes.gpt(layers=layers, dim=16, length=8, batch=2)
-        _, compile_s = compile_variants(shape, some_variants, compiles, compiler_options)
+        _, compile_s, _ = compile_variants(shape, some_variants, compiles, compiler_options)
         points.append((shape.leaves, compile_s))
         print(
             f"  {shape.leaves} leaves: " + ", ".join(f"{n} {s:.1f}s" for n, s in compile_s.items())
