@@ -231,8 +231,11 @@ def compile_variants(shape, make_variants=variants, compiles=3, compiler_options
             compile_s.setdefault(name, []).append(runner.compile_s)
             xla_s.setdefault(name, []).append(runner.xla_s)
             runners.setdefault(name, runner)
-    best = {name: min(times) for name, times in compile_s.items()}
-    return runners, best, {name: min(times) for name, times in xla_s.items()}
+    return runners, _best(compile_s), _best(xla_s)
+
+
+def _best(times):
+    return {name: min(seconds) for name, seconds in times.items()}
 
 
 def measure(shape, rounds=7, repeats=5, compiles=3, make_variants=variants, compiler_options=None):
