@@ -1,4 +1,4 @@
-"""Flax serialization (`flax.serialization.to_bytes`, `to_state_dict`) of the loss-scaling state.
+"""Flax serialization (`flax.serialization.to_bytes`, `to_state_dict`) of every state class.
 
 Registering needs `flax.serialization`, and importing it loads Flax, which jmp and optax users do
 not need. So the classes are registered when Flax is first imported, whether that happens before or
@@ -7,7 +7,6 @@ after `jmp_policy` (a post-import hook), and `import jmp_policy` never loads Fla
 
 from __future__ import annotations
 
-import dataclasses
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -17,19 +16,16 @@ T = TypeVar("T")
 
 
 def _register(serialization: ModuleType) -> None:
-    from jmp_policy.loss_scale import (
-        DynamicLossScale,
-        NoOpLossScale,
-        StaticLossScale,
-        leaf_fields,
-        rebuild,
-    )
+    from jmp_policy._pytree import leaf_names
+    from jmp_policy.debugger import PrecisionStats
+    from jmp_policy.fp8 import Fp8DotState, Fp8Meta
+    from jmp_policy.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, rebuild
     from jmp_policy.transform import LeafFlags
 
     def to_state_dict(state: Any) -> dict[str, Any]:
         return {
             name: serialization.to_state_dict(getattr(state, name))
-            for name in leaf_fields(state)
+            for name in leaf_names(type(state))
             if getattr(state, name) is not None
         }
 
@@ -37,18 +33,21 @@ def _register(serialization: ModuleType) -> None:
         # Configuration comes from `target`; only per-step values are restored.
         restored = {
             name: serialization.from_state_dict(getattr(target, name), state_dict[name], name)
-            for name in leaf_fields(target)
+            for name in leaf_names(type(target))
             if getattr(target, name) is not None
         }
         return rebuild(target, **restored)
 
-    for cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
-        serialization.register_serialization_state(cls, to_state_dict, from_state_dict)
-    serialization.register_serialization_state(
+    for cls in (
+        NoOpLossScale,
+        StaticLossScale,
+        DynamicLossScale,
         LeafFlags,
-        lambda leaf_flags: {"flags": leaf_flags.flags},
-        lambda target, state: dataclasses.replace(target, flags=state["flags"]),
-    )
+        Fp8Meta,
+        Fp8DotState,
+        PrecisionStats,
+    ):
+        serialization.register_serialization_state(cls, to_state_dict, from_state_dict)
 
 
 def register_when_flax_loads() -> None:

@@ -1,7 +1,8 @@
 """Checks of user-given loss-scale configuration, with errors that name the argument.
 
-They run when a user constructs a loss scale (and, for leaves, whenever JAX
-rebuilds one), so only Python and NumPy values are checked by value.
+They run only when a user constructs a loss scale: JAX rebuilds states without
+them (`jmp_policy._pytree`). Only Python and NumPy values are checked by value,
+so an array given by a user never waits on the device.
 """
 
 from __future__ import annotations
@@ -44,11 +45,10 @@ def positive_number(value: Any, argument: str, *, allow_zero: bool = False) -> f
 def scale_leaf(value: Any, argument: str) -> Any:
     """Checks and converts a loss-scale leaf to float32.
 
-    Leaves are also rebuilt by JAX itself (unflatten with tracers, abstract
-    values or placeholder objects, batched or stacked arrays), so only Python
-    and NumPy values, which only a user gives, are checked by value and shape;
-    JAX arrays are checked by dtype alone, which never waits on the device and
-    lets a state be batched (`vmap` of `init`) or stacked.
+    Only Python and NumPy values are checked by value and shape; JAX arrays
+    (a user's `jnp.asarray(2.0**15)`, a tracer inside `vmap` of `init`) are
+    checked by dtype alone, which never waits on the device and lets a state
+    be built batched or stacked.
     """
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"Expected a positive float for `{argument}`, got {value!r}.")
@@ -65,7 +65,7 @@ def scale_leaf(value: Any, argument: str) -> Any:
         return jnp.asarray(number, jnp.float32)
     dtype = getattr(value, "dtype", None)
     if dtype is None or not hasattr(value, "shape"):
-        return value  # A placeholder JAX uses while rebuilding the tree.
+        return value  # e.g. `jax.ShapeDtypeStruct` for an abstract state
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"Expected a floating array (float32) or a Python number for `{argument}`, "

@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
+from jmp_policy._pytree import register_state
 from jmp_policy.policy import is_floating_array
 
 _CALLS = {
@@ -556,7 +557,7 @@ def debug_precision(
     )
 
 
-@jax.tree_util.register_dataclass
+@register_state
 @dataclasses.dataclass(frozen=True)
 class PrecisionStats:
     """Per-layer statistics of a loss's forward values and gradients, computed inside the program.

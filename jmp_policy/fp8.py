@@ -37,6 +37,8 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from jmp_policy._pytree import register_state
+
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FORMATS = ("hybrid", "e4m3")
@@ -450,7 +452,7 @@ _rowwise_dot.defvjp(_rowwise_dot_fwd, _rowwise_dot_bwd)
 AMAX_FROM = ("max", "most_recent")
 
 
-@jax.tree_util.register_dataclass
+@register_state
 @dataclasses.dataclass(frozen=True)
 class Fp8Meta:
     """A tensor's delayed-scaling metadata.
@@ -465,7 +467,7 @@ class Fp8Meta:
     amax_history: jax.Array
 
 
-@jax.tree_util.register_dataclass
+@register_state
 @dataclasses.dataclass(frozen=True)
 class Fp8DotState:
     """Delayed-scaling state of one matmul: its two operands and its output gradient.

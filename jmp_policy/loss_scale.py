@@ -4,10 +4,11 @@ Multiply the loss by S before differentiating so small float16 gradients do
 not flush to zero, divide the gradients by the same S, check them, and adjust
 S: grow it after `period` clean steps, shrink it when a step overflows.
 
-Every class is a frozen dataclass registered with
-`jax.tree_util.register_dataclass`: values that change per step are leaves,
-configuration is static metadata, so everything survives `jit`, `tree_map`
-and checkpoints with no hand-written flatten.
+Every class is a frozen dataclass whose pytree registration comes from its
+fields (`jmp_policy._pytree.register_state`): values that change per step are
+leaves, configuration is static metadata, so everything survives `jit`, any
+`tree_map` (to bools, None, `ShapeDtypeStruct`, ...) and checkpoints with no
+hand-written flatten. Only a user's own construction is validated.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
+from jmp_policy._pytree import leaf_names, register_state
 from jmp_policy._validation import (
     check_flag,
     int_leaf,
@@ -220,8 +222,7 @@ class DynamicLossScale:
         setattr_("warmup", bool(self.warmup))
         # Optional leaves exist only when their feature is on, so the default
         # state has exactly jmp's leaves (loss_scale, counter). A value given
-        # for them is kept as is: tree maps that treat None as a leaf (orbax
-        # does) rebuild the state with other values there.
+        # for them is kept (checked, if it is a number).
         if self.hysteresis > 1 and self.nonfinite_run is None:
             setattr_("nonfinite_run", jnp.zeros((), jnp.int32))
         else:
@@ -296,11 +297,11 @@ def rebuild(state: Any, **changes) -> Any:
 
 def leaf_fields(state) -> list[str]:
     """The names of the per-step (array) fields of the loss scale `state`."""
-    return [f.name for f in dataclasses.fields(state) if not f.metadata.get("static")]
+    return list(leaf_names(type(state)))
 
 
 for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
-    jax.tree_util.register_dataclass(_cls)
+    register_state(_cls)
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 

@@ -33,6 +33,9 @@ BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 _STORAGE = (F32, BF16, jnp.dtype(jnp.float16))
 
 
+_NO_RESIDUAL = jnp.uint8  # a scalar of this dtype: no residual (one byte per leaf)
+
+
 class LowPrecisionState(NamedTuple):
     """The state of `low_precision_optimizer`.
 
@@ -41,8 +44,9 @@ class LowPrecisionState(NamedTuple):
       key: the raw PRNG key (uint32[2]) of stochastic rounding; it advances once per applied
         step, so a step skipped by `loss_scaling` leaves it, like everything else, unchanged.
       residual: per parameter, what the 16-bit parameter lacks: the bfloat16 Kahan
-        compensation ("kahan"), the int16 low half of the float32 master ("split"), or an
-        empty array ("stochastic", and parameters kept in float32).
+        compensation ("kahan"), the int16 low half of the float32 master ("split"), or a
+        uint8 zero ("stochastic", and parameters kept in float32; a scalar rather than an
+        empty array, which checkpointers such as orbax refuse to save).
     """
 
     inner_state: optax.OptState
@@ -280,7 +284,7 @@ def low_precision_optimizer(
 
         def residual(p):
             if p.dtype != BF16 or rounding == "stochastic":
-                return jnp.zeros((0,), BF16)
+                return jnp.zeros((), _NO_RESIDUAL)
             return jnp.zeros(p.shape, BF16 if rounding == "kahan" else jnp.int16)
 
         residuals = jax.tree.map(residual, params)
@@ -363,7 +367,7 @@ def master_params(params: chex.ArrayTree, opt_state: Any) -> chex.ArrayTree:
     def one(r, p):
         if hasattr(p, "get_value"):
             p = p.get_value()  # an nnx.Variable holding its array
-        if p.dtype != BF16 or r.size == 0:
+        if p.dtype != BF16 or r.dtype == _NO_RESIDUAL:
             return p.astype(F32) if jnp.issubdtype(p.dtype, jnp.floating) else p
         if r.dtype == jnp.int16:
             return join_float32(p, r)

@@ -22,6 +22,7 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
+from jmp_policy._pytree import register_state
 from jmp_policy._validation import whole_number
 from jmp_policy.debugger import GradientStats, empty_gradient_stats, gradient_stats
 from jmp_policy.finite import unscaled_leaf_finite
@@ -75,7 +76,7 @@ class LeafFlags:
         )
 
 
-jax.tree_util.register_dataclass(LeafFlags)
+register_state(LeafFlags)
 
 
 class LossScalingState(NamedTuple):

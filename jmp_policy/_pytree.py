@@ -1,0 +1,97 @@
+"""How every state class of this library becomes a pytree.
+
+`jax.tree_util.register_dataclass` rebuilds an object by calling its
+constructor, and constructors validate what users give them
+(`DynamicLossScale(True)` must raise). But JAX, Equinox, orbax and sharding
+helpers rebuild states from trees of other things: `eqx.filter_jit` maps every
+leaf to a bool, checkpointing code to `jax.ShapeDtypeStruct`, sharding code to
+`PartitionSpec`, orbax to None. So states are registered from their dataclass
+fields (leaves: fields without `static` metadata; configuration: the static
+ones, as in `register_dataclass`) and rebuilt by setting the fields directly:
+validation runs only where a user constructs an object. Every field is
+derived from `dataclasses.fields`, so none can be dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+C = TypeVar("C", bound=type)
+
+
+def leaf_names(cls: type) -> tuple[str, ...]:
+    """The per-step (array) fields of a state class, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("static"))
+
+
+def register_state(cls: C) -> C:
+    """Registers the frozen dataclass `cls` as a pytree rebuilt without validation."""
+    data = leaf_names(cls)
+    meta = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("static"))
+    keys = tuple(jax.tree_util.GetAttrKey(name) for name in data)
+
+    def flatten_with_keys(state: Any):
+        return tuple((k, getattr(state, n)) for k, n in zip(keys, data, strict=True)), tuple(
+            getattr(state, n) for n in meta
+        )
+
+    def flatten(state: Any):
+        return tuple(getattr(state, n) for n in data), tuple(getattr(state, n) for n in meta)
+
+    def unflatten(aux: tuple, children: Any) -> Any:
+        new = object.__new__(cls)
+        for name, value in zip(data, children, strict=True):
+            object.__setattr__(new, name, value)
+        for name, value in zip(meta, aux, strict=True):
+            object.__setattr__(new, name, value)
+        return new
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+def is_traced_leaf(x: Any) -> bool:
+    """Whether a leaf is traced (an input of the program) or passed through as it is.
+
+    Arrays (JAX and NumPy) and abstract arrays (`jax.ShapeDtypeStruct`) are
+    traced; every other leaf stays the Python value it is, as `eqx.filter_jit`
+    keeps it: an Equinox module's activation function, a name, and numbers
+    (flags, sizes, a dropout rate) that a model may branch on
+    (`if self.p == 0:`). Pass a number as an array to trace it.
+    """
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic))
+
+
+def split_traced(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """The traced leaves of `tree`, and a function that puts new ones in their places."""
+    leaves, treedef = jax.tree.flatten(tree)
+    traced = [is_traced_leaf(x) for x in leaves]
+
+    def rebuild(arrays: Sequence[Any]) -> Any:
+        given = iter(arrays)
+        full = [next(given) if t else x for x, t in zip(leaves, traced, strict=True)]
+        return jax.tree.unflatten(treedef, full)
+
+    return [x for x, t in zip(leaves, traced, strict=True) if t], rebuild
+
+
+def signature(tree: Any) -> Any:
+    """What decides a trace of a call: the structure, the traced leaves' shapes and
+    dtypes, and the values of the other leaves (e.g. `train=False`)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    described = []
+    for leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            described.append((tuple(leaf.shape), str(leaf.dtype)))
+        else:
+            try:
+                hash(leaf)
+                described.append(leaf)
+            except TypeError:
+                described.append(type(leaf))
+    return treedef, tuple(described)
