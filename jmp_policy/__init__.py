@@ -31,9 +31,12 @@ What is here, by topic:
 - Flax: `jmp_policy.linen.mixed_precision`, `jmp_policy.nnx.mixed_precision` (a policy on an
   unmodified model, with float32 norms, softmax and batch statistics). Flax is imported only when
   one of these two is first used, so jmp and optax users do not load it.
+- Equinox: `jmp_policy.eqx.mixed_precision` (a policy on an Equinox model, through autocast),
+  `jmp_policy.eqx.filter_value_and_scaled_grad`; imported on first use.
 - autocast: `autocast(fn, policy)` (matmuls and convs in half precision; exp, log, sums,
   decompositions and FFTs in float32), `full_precision(fn)`, `AUTOCAST_ALLOW`, `AUTOCAST_DENY`,
-  `AUTOCAST_NO_HALF_KERNEL`, `precision_report` (operations by dtype, FLOPs, casts).
+  `AUTOCAST_NO_HALF_KERNEL`, `precision_report` (operations by dtype, FLOPs, casts, float32
+  matmuls and why), `PrecisionWarning`.
 - Diagnostics: `loss_scaling_report` (the scale, skips, which gradients held inf/NaN, and
   gradient statistics with `loss_scaling(..., stats_every=N)`), `check_loss_scaling`,
   `NonFiniteLossError`; `debug_precision` (per-layer statistics in a target dtype, the first
@@ -50,7 +53,7 @@ from jmp_policy.autocast import ALLOW as AUTOCAST_ALLOW
 from jmp_policy.autocast import DENY as AUTOCAST_DENY
 from jmp_policy.autocast import NO_HALF_KERNEL as AUTOCAST_NO_HALF_KERNEL
 from jmp_policy.autocast import autocast, full_precision
-from jmp_policy.census import PrecisionReport, precision_report
+from jmp_policy.census import PrecisionReport, PrecisionWarning, precision_report
 from jmp_policy.debugger import (
     PrecisionDebugReport,
     PrecisionStats,
@@ -83,17 +86,18 @@ from jmp_policy.transform import (
 )
 
 if TYPE_CHECKING:
-    from jmp_policy import linen, nnx
+    from jmp_policy import eqx, linen, nnx
 
 _flax_serialization.register_when_flax_loads()
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("linen", "nnx")
+_LAZY_SUBMODULES = ("eqx", "linen", "nnx")
 
 
 def __getattr__(name: str):
-    # `jmp_policy.linen` and `jmp_policy.nnx` import Flax; load them on first use.
+    # `jmp_policy.linen` and `jmp_policy.nnx` import Flax, `jmp_policy.eqx` Equinox;
+    # load them on first use.
     if name in _LAZY_SUBMODULES:
         import importlib
 
@@ -121,6 +125,7 @@ __all__ = (
     "PrecisionDebugReport",
     "PrecisionReport",
     "PrecisionStats",
+    "PrecisionWarning",
     "StaticLossScale",
     "all_finite",
     "autocast",
@@ -128,6 +133,7 @@ __all__ = (
     "cast_to_half",
     "check_loss_scaling",
     "debug_precision",
+    "eqx",
     "find_loss_scaling_state",
     "full_precision",
     "get_loss_scale",

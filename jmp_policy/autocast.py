@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jmp_policy._pytree import is_traced_leaf
 from jmp_policy.fp8 import (
     FORMATS,
     FP8_EXCLUDE,
@@ -405,25 +406,34 @@ class _Autocast:
         dyn_args = [a for i, a in enumerate(args) if i not in self._static_argnums]
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
         flat, in_tree = jax.tree.flatten((dyn_args, dyn_kwargs))
+        # Leaves that are not arrays (an Equinox module's activation function,
+        # a bool flag, a name) are passed to `fun` as they are, like
+        # `eqx.filter_jit` does: they are part of the program, not its inputs.
+        traced = tuple(is_traced_leaf(x) for x in flat)
         specs = tuple(
             jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x), weak_type=_weak(x))
-            for x in flat
+            if is_traced
+            else _StaticLeaf(x)
+            for x, is_traced in zip(flat, traced, strict=True)
         )
         key = (in_tree, specs, static_args, static_kwargs)
         if key not in self._cache:
             self._cache[key] = self._build(
                 in_tree, specs, dict(static_args), dict(static_kwargs), len(args)
             )
-        return flat, self._cache[key]
+        return [x for x, is_traced in zip(flat, traced, strict=True) if is_traced], self._cache[key]
 
     def _build(self, in_tree, specs, static_args, static_kwargs, n_args):
-        def flat_fun(*flat):
+        def flat_fun(*arrays):
+            given = iter(arrays)
+            flat = [next(given) if isinstance(s, jax.ShapeDtypeStruct) else s.value for s in specs]
             dyn_args, dyn_kwargs = jax.tree.unflatten(in_tree, flat)
             dyn = iter(dyn_args)
             full = [static_args[i] if i in static_args else next(dyn) for i in range(n_args)]
             return self._fun(*full, **dyn_kwargs, **static_kwargs)
 
-        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*specs)
+        arrays = [s for s in specs if isinstance(s, jax.ShapeDtypeStruct)]
+        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
         out_tree = jax.tree.structure(out_shape)
         rules, cast_inputs = self._rules, self._cast_inputs
 
@@ -443,6 +453,28 @@ class _Autocast:
     def traced_program(self, *args, **kwargs):
         """The program as traced, before casts (for reports and debugging)."""
         return self._program(args, kwargs)[1][2]
+
+
+class _StaticLeaf:
+    """A leaf passed through untouched: compared by value where it can be, else by identity."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def _key(self) -> Any:
+        try:
+            hash(self.value)
+        except TypeError:
+            return (type(self.value), id(self.value))
+        return (type(self.value), self.value)
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _StaticLeaf) and self._key() == other._key()
 
 
 def _weak(x: Any) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -21,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
 
+from jmp_policy._pytree import split_traced
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
+from jmp_policy.overrides import FLOAT32_ISLAND
 
 MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -123,6 +126,10 @@ class PrecisionReport:
       casts: the number of dtype conversions in the program.
       casts_inserted: conversions added relative to the original program
         (None when no original was given).
+      float32_matmuls: `(primitive, where, why, intended)` for every matmul or
+        conv that runs in float32: `intended` is True inside a float32 island
+        an override asked for or a `full_precision` region, False otherwise,
+        with `why` saying what put it in float32.
     """
 
     rows: tuple
@@ -132,6 +139,7 @@ class PrecisionReport:
     casts_inserted: int | None
     fp8_matmul_flop_share: float = 0.0
     fp8_left_out: tuple = ()
+    float32_matmuls: tuple = ()
 
     @property
     def counts(self) -> dict[str, dict[str, int]]:
@@ -168,6 +176,17 @@ class PrecisionReport:
                 f"  {p} {d} K={c} M,N={o} at {w or '(top level)'}"
                 for p, d, c, o, w in self.misaligned
             ]
+        if self.float32_matmuls and self.half_matmul_flop_share:
+            intended = [m for m in self.float32_matmuls if m[3]]
+            others = [m for m in self.float32_matmuls if not m[3]]
+            lines += [
+                "",
+                f"matmuls/convs in float32: {len(intended)} by override or float32 region, "
+                f"{len(others)} not",
+            ]
+            lines += [f"  {p} at {w or '(top level)'}: {why}" for p, w, why, _ in others[:10]]
+            if len(others) > 10:
+                lines.append(f"  ... and {len(others) - 10} more")
         if self.fp8_left_out:
             lines += ["", "matmuls left out of float8:"]
             lines += [f"  {d} at {w or '(top level)'}: {r}" for d, r, w in self.fp8_left_out]
@@ -207,7 +226,7 @@ def report_of_jaxpr(
             elif name == "dot_general":
                 not_fp8.append(eqn)
             if any(s % 8 for s in (*contract, *outputs)):
-                where = str(eqn.source_info.name_stack)
+                where = module_path_of(str(eqn.source_info.name_stack))
                 misaligned.append((name, dtype_name, tuple(contract), tuple(outputs), where))
         else:
             flops = max(
@@ -231,13 +250,105 @@ def report_of_jaxpr(
         casts_inserted=None if original is None else casts - _convert_count(original),
         fp8_matmul_flop_share=fp8_flops / all_flops if all_flops else 0.0,
         fp8_left_out=left_out,
+        float32_matmuls=tuple(float32_matmuls(jaxpr)),
     )
+
+
+_REGION = "jmp_full_precision_region"
+_HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def float32_matmuls(
+    jaxpr: Jaxpr | ClosedJaxpr, where: str = "", in_region: bool = False
+) -> Iterator[tuple[str, str, str, bool]]:
+    """`(primitive, module path, why, intended)` for each matmul/conv computing in float32.
+
+    `intended`: inside a float32 island of an override (`FLOAT32_ISLAND` in the
+    name stack) or a `full_precision` region. `why` looks at the operands: one
+    cast up from half precision in the program itself, or one that is float32
+    from the start.
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    inputs = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        stack = "/".join(p for p in (where, str(eqn.source_info.name_stack)) if p)
+        region = in_region or eqn.params.get("name") == _REGION
+        for sub in jaxprs_in_params(eqn.params):
+            yield from float32_matmuls(sub, stack, region)
+        if eqn.primitive.name not in MATMULS or compute_dtype(eqn) != np.float32:
+            continue
+        intended = region or FLOAT32_ISLAND in stack.split("/")
+        if region:
+            why = "inside a full_precision region"
+        elif intended:
+            why = "a float32 island (override)"
+        else:
+            why = _why_float32(eqn, producers, inputs)
+        yield eqn.primitive.name, module_path_of(stack), why, intended
+
+
+def _why_float32(eqn: JaxprEqn, producers: dict, inputs: set) -> str:
+    for var in eqn.invars[:2]:
+        made = producers.get(var)
+        if made is not None and made.primitive.name == "convert_element_type":
+            source = getattr(_aval(made.invars[0]), "dtype", None)
+            if source in _HALF_DTYPES:
+                return (
+                    f"an operand is cast from {jnp.dtype(source).name} to float32 in the "
+                    "model's own code (e.g. `.astype(jnp.float32)` or `dtype=jnp.float32`)"
+                )
+    if any(var in inputs for var in eqn.invars[:2]):
+        return (
+            "an operand arrives in float32 and is not cast (an input or variable outside "
+            "the policy's reach, or a layer that does not take a `dtype`)"
+        )
+    return (
+        "an operand is computed in float32 before it (an array created with a float32 "
+        "dtype, or the result of a float32 operation)"
+    )
+
+
+def module_path_of(name_stack: str) -> str:
+    """A name stack as a module path, without the override marker."""
+    return "/".join(p for p in name_stack.split("/") if p and p != FLOAT32_ISLAND)
+
+
+class PrecisionWarning(UserWarning):
+    """Mixed precision is not doing what the policy says (e.g. float32 matmuls slipped through)."""
+
+
+_WARNED: set[str] = set()
+
+
+def warn_float32_matmuls(jaxpr: Jaxpr | ClosedJaxpr, integration: str, stacklevel: int = 3) -> None:
+    """Warns (once per message) about matmuls/convs left in float32 outside islands."""
+    slipped = [m for m in float32_matmuls(jaxpr) if not m[3]]
+    if not slipped:
+        return
+    by_path: dict[str, list[str]] = collections.defaultdict(list)
+    for primitive, where, why, _ in slipped:
+        by_path[f"{where or '(top level)'}: {why}"].append(primitive)
+    shown = [f"  {k} ({len(v)} {v[0]})" for k, v in list(by_path.items())[:8]]
+    if len(by_path) > 8:
+        shown.append(f"  ... and {len(by_path) - 8} more places")
+    message = (
+        f"{integration}: {len(slipped)} matmuls/convs still run in float32 outside overrides "
+        "and float32 islands, so they get no half-precision speed or memory:\n"
+        + "\n".join(shown)
+        + "\nCast inside the model where it casts to float32, or name these modules in "
+        "`overrides` with a float32 policy if float32 is intended; "
+        "`jmp_policy.precision_report` lists them."
+    )
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, PrecisionWarning, stacklevel=stacklevel)
 
 
 def _why_not_fp8(eqn: JaxprEqn) -> tuple[str, str, str]:
     dtype = jnp.dtype(compute_dtype(eqn) or np.float32).name
     lhs, rhs = _aval(eqn.invars[0]).shape, _aval(eqn.invars[1]).shape
-    where = str(eqn.source_info.name_stack)
+    where = module_path_of(str(eqn.source_info.name_stack))
     reason = fp8_eligible(lhs, rhs, eqn.params["dimension_numbers"])
     pattern = fp8_excluded_by(where)
     if reason is None and pattern is not None and dtype == "bfloat16":
@@ -252,7 +363,8 @@ def precision_report(
 
     Args:
       fun: the function to trace (nothing runs), e.g. `autocast(loss, policy)`.
-      *args: example arguments (arrays or `jax.ShapeDtypeStruct`).
+      *args: example arguments (arrays or `jax.ShapeDtypeStruct`); other leaves
+        (functions, flags) are passed through as they are.
       original: the function before casts (e.g. the un-autocast loss), to count
         the casts that were inserted.
       **kwargs: example keyword arguments.
@@ -272,6 +384,18 @@ def precision_report(
       >>> report.counts["dot_general"], report.total("float16")
       ({'float16': 1}, 3)
     """
-    jaxpr = jax.make_jaxpr(fun)(*args, **kwargs)
-    before = None if original is None else jax.make_jaxpr(original)(*args, **kwargs)
-    return report_of_jaxpr(jaxpr, before)
+    return report_of_jaxpr(
+        trace(fun, *args, **kwargs), None if original is None else trace(original, *args, **kwargs)
+    )
+
+
+def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ClosedJaxpr:
+    """`jax.make_jaxpr(fun)(*args, **kwargs)`, with non-array leaves (an Equinox
+    module's functions, flags) passed to `fun` as they are rather than traced."""
+    arrays, rebuild = split_traced((args, kwargs))
+
+    def run(*traced):
+        a, k = rebuild(traced)
+        return fun(*a, **k)
+
+    return jax.make_jaxpr(run)(*arrays)

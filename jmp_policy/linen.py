@@ -12,6 +12,7 @@ back in their own dtype (float32).
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -19,10 +20,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.core import unfreeze
 
+from jmp_policy._pytree import signature
+from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
-from jmp_policy.overrides import FLOAT32, Overrides
+from jmp_policy.overrides import FLOAT32, Overrides, is_compute_dtype, island_scope
 from jmp_policy.policy import Policy, casting_policy, check_policy, is_floating_array
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
@@ -55,6 +59,7 @@ class MixedPrecisionModule:
         # so it costs no compute); needed to cast each parameter for its module.
         self._path_policies: dict[Any, dict[tuple[str, ...], Policy]] = {}
         self._stack: list[Policy] = []
+        self._checked: set[Any] = set()
 
     def __repr__(self) -> str:
         return f"MixedPrecisionModule({type(self.module).__name__}, policy={self.policy})"
@@ -87,10 +92,12 @@ class MixedPrecisionModule:
                     self._stack.pop()
             _fp8_matmuls(module, policy, path)
             cast = casting_policy(policy)
+            _compute_in(module, cast.compute_dtype)
             _softmax_in_float32(module, cast)
             self._stack.append(policy)
             try:
-                out = next_fun(*cast.cast_to_compute(args), **cast.cast_to_compute(kwargs))
+                with island_scope(self.overrides.own_policy(path, module), cast.compute_dtype):
+                    out = next_fun(*cast.cast_to_compute(args), **cast.cast_to_compute(kwargs))
             finally:
                 self._stack.pop()
             if path and args and not isinstance(module.parent, nn.Module):
@@ -166,15 +173,27 @@ class MixedPrecisionModule:
         came in with (float32 batch statistics stay float32).
         """
         variables = unfreeze(variables)
-        path_policies = self._learn_paths(
-            _call_key(method, args, kwargs), variables, args, kwargs, method
-        )
+        key = _call_key(method, args, kwargs)
+        path_policies = self._learn_paths(key, variables, args, kwargs, method)
         cast_vars = dict(variables)
         if "params" in variables:
             cast_vars["params"] = self._cast_params(variables["params"], path_policies, "compute")
-        out = self._run(
-            lambda: self.module.apply(cast_vars, *args, method=method, mutable=mutable, **kwargs)
-        )
+
+        def run(cast_vars, args, kwargs):
+            return self._run(
+                lambda: self.module.apply(
+                    cast_vars, *args, method=method, mutable=mutable, **kwargs
+                )
+            )
+
+        if key not in self._checked:
+            self._checked.add(key)
+            if any(casting_policy(p).compute_dtype != jnp.float32 for p in path_policies.values()):
+                # Abstract, once per call signature: float32 matmuls that slipped through.
+                warn_float32_matmuls(
+                    trace(run, cast_vars, args, kwargs), "jmp_policy.linen.mixed_precision"
+                )
+        out = run(cast_vars, args, kwargs)
         root = self._module_policy(path_policies, ())
         if mutable is False:
             return root.cast_to_output(out)
@@ -210,6 +229,34 @@ def _carry_keeps_its_dtype(carry_in: Any, out: Any) -> Any:
         return new
 
     return jax.tree.map(like, carry_out, carry_in), y
+
+
+def _compute_in(module: nn.Module, dtype: np.dtype) -> None:
+    """The policy decides the module's computation dtype, whatever the model wrote.
+
+    Linen layers promote their inputs and kernels to their `dtype`, so a layer
+    given `dtype=self.dtype` or `dtype=config.dtype` (float32 by default, as in
+    Flax's examples) would compute in float32 whatever its inputs are. A
+    floating (or unset) `dtype` field, and the floating `dtype` of a config
+    dataclass held in a field, become the policy's compute dtype; an integer or
+    bool `dtype` (indices, masks) is left alone. The bound module is a per-call
+    clone, so the user's module is untouched.
+    """
+    fields = getattr(module, "__dataclass_fields__", {})
+    if "dtype" in fields and is_compute_dtype(getattr(module, "dtype", None)):
+        object.__setattr__(module, "dtype", dtype)
+    for name in fields:
+        config = getattr(module, name, None)
+        if not dataclasses.is_dataclass(config) or isinstance(config, (type, nn.Module)):
+            continue
+        given = getattr(config, "dtype", None)
+        if (
+            given is not None
+            and "dtype" in {f.name for f in dataclasses.fields(config)}
+            and is_compute_dtype(given)
+            and jnp.dtype(given) != dtype
+        ):
+            object.__setattr__(module, name, dataclasses.replace(config, dtype=dtype))
 
 
 def _weights_in_value_dtype(subscripts, weights, value, **kwargs):
@@ -254,23 +301,11 @@ def _fp8_matmuls(module: nn.Module, policy: Policy, path: tuple[str, ...]) -> No
 
 
 def _call_key(method, args, kwargs) -> Any:
-    """What decides which modules a call reaches: the method, the arguments'
-    structure, array shapes and dtypes, and the values of everything else
-    (e.g. `train=False`)."""
+    """What decides which modules a call reaches: the method and the arguments'
+    signature (structure, shapes, dtypes, and the values of e.g. `train=False`)."""
     if method is not None and not isinstance(method, str):
         method = getattr(method, "__name__", method)
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    described = []
-    for leaf in leaves:
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            described.append((tuple(leaf.shape), str(leaf.dtype)))
-        else:
-            try:
-                hash(leaf)
-                described.append(leaf)
-            except TypeError:
-                described.append(type(leaf))
-    return method, treedef, tuple(described)
+    return method, signature((args, kwargs))
 
 
 def mixed_precision(

@@ -11,6 +11,7 @@ its structure, so checkpoints of the float32 model load unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -20,8 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jmp_policy._pytree import signature
+from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
-from jmp_policy.overrides import FLOAT32, Overrides
+from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy.policy import Policy, casting_policy, check_policy
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
@@ -32,32 +35,66 @@ NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
 )
 """The default overrides: Flax's normalisation layers compute in float32."""
 
-_CASTING_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _casting_class(cls: type) -> type:
-    """A subclass of `cls` whose `__call__` casts inputs and outputs by policy."""
-    if getattr(cls, "_jmp_policy_casting", False):
-        return cls
-    if cls not in _CASTING_CLASSES:
+class _Once:
+    """Which call signatures the float32 check has seen (a static attribute of the model)."""
 
-        def __call__(self, *args, **kwargs):
+    def __init__(self):
+        self.seen: set[Any] = set()
+
+
+def _has_call(cls: type) -> bool:
+    return any("__call__" in vars(k) for k in cls.__mro__[:-1])
+
+
+def _subclass(cls: type, role: str) -> type:
+    """`cls` with a `__call__` that runs in the module's name scope ("scoped"), or that
+    also casts inputs and outputs by policy and checks for float32 matmuls ("root").
+
+    The scope is the module's attribute path relative to its parent (e.g.
+    `layers/0`), so operations carry NNX module paths in their name stacks as
+    Linen's do: `precision_report`, the float32 check and the precision debugger
+    name layers by them.
+    """
+    base = getattr(cls, "_jmp_policy_base", cls)
+    if (base, role) not in _CLASSES:
+
+        def scoped(self, *args, **kwargs):
+            with contextlib.ExitStack() as scopes:
+                for name in self._jmp_policy_scope:
+                    scopes.enter_context(jax.named_scope(name))
+                return base.__call__(self, *args, **kwargs)
+
+        def root(self, *args, **kwargs):
             policy = self._jmp_policy_root
             args, kwargs = policy.cast_to_compute((args, kwargs))
-            return policy.cast_to_output(cls.__call__(self, *args, **kwargs))
+            key = signature((args, kwargs))
+            if policy.compute_dtype != jnp.float32 and key not in self._jmp_policy_checked.seen:
+                self._jmp_policy_checked.seen.add(key)
+                graphdef, state = nnx.split(self)
 
-        _CASTING_CLASSES[cls] = type(
-            cls.__name__,
-            (cls,),
+                def run(state, args, kwargs):
+                    return scoped(nnx.merge(graphdef, state), *args, **kwargs)
+
+                warn_float32_matmuls(
+                    trace(run, state, args, kwargs), "jmp_policy.nnx.mixed_precision"
+                )
+            return policy.cast_to_output(scoped(self, *args, **kwargs))
+
+        _CLASSES[(base, role)] = type(
+            base.__name__,
+            (base,),
             {
-                "__call__": __call__,
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-                "__doc__": cls.__doc__,
-                "_jmp_policy_casting": True,
+                "__call__": root if role == "root" else scoped,
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+                "_jmp_policy_base": base,
             },
         )
-    return _CASTING_CLASSES[cls]
+    return _CLASSES[(base, role)]
 
 
 def mixed_precision(
@@ -87,8 +124,13 @@ def mixed_precision(
         also choose which layers run in float8. Default: `NORMS_IN_FLOAT32`.
 
     Returns:
-      `model`, changed in place (its class becomes a subclass that casts at
-      the boundary; the state tree is unchanged).
+      `model`, changed in place: its class becomes a subclass that casts at
+      the boundary and, on the first call with each input signature, warns
+      (`jmp_policy.census.PrecisionWarning`) about matmuls/convs still in
+      float32 outside overrides; each submodule's class becomes a subclass
+      that runs it in a name scope of its attribute path (e.g.
+      `layers/0/attn`), so reports name NNX layers. An integer `dtype` (an
+      index dtype) is left as it is. The state tree is unchanged.
 
     Raises:
       TypeError: `model` is not an NNX module, or `policy`/`overrides` are malformed.
@@ -112,13 +154,27 @@ def mixed_precision(
         if isinstance(node, nnx.Module)
     }
     resolved: dict[tuple[str, ...], Policy] = {}
+    scoped: set[tuple[str, ...]] = {()}  # modules whose calls open a name scope
     for path in sorted(modules, key=len):  # parents before children
-        parent = resolved.get(path[:-1], policy) if path else policy
-        resolved[path] = rules.own_policy(path, modules[path]) or parent
-        _apply_to_module(modules[path], resolved[path], path)
+        module = modules[path]
+        parent = max((p for p in resolved if path[: len(p)] == p), key=len, default=())
+        own = rules.own_policy(path, module)
+        resolved[path] = own or resolved.get(parent, policy)
+        _apply_to_module(module, resolved[path], path)
+        # The scope continues the nearest scoped ancestor's: containers without a
+        # `__call__` (nnx.List, nnx.Dict) open none, so their names go here.
+        above = max((p for p in scoped if path[: len(p)] == p), key=len)
+        scope = ["/".join(path[len(above) :])] if path else []
+        if own is not None and casting_policy(own).compute_dtype == jnp.float32:
+            scope.append(FLOAT32_ISLAND)
+        object.__setattr__(module, "_jmp_policy_scope", tuple(scope))
+        if path and _has_call(type(module)):
+            module.__class__ = _subclass(type(module), "scoped")
+            scoped.add(path)
     rules.warn_unmatched()
     object.__setattr__(model, "_jmp_policy_root", casting_policy(resolved[()]))
-    model.__class__ = _casting_class(type(model))
+    object.__setattr__(model, "_jmp_policy_checked", _Once())
+    model.__class__ = _subclass(type(model), "root")
     return model
 
 
@@ -183,7 +239,9 @@ def attention_with_float32_softmax(
 def _apply_to_module(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> None:
     # setattr: Flax's layers declare these attributes, nnx.Module does not.
     compute = casting_policy(policy).compute_dtype
-    if hasattr(module, "dtype"):
+    given = getattr(module, "dtype", _ABSENT)
+    if given is not _ABSENT and is_compute_dtype(given):
+        # An integer or bool `dtype` (indices, masks) is the model's, not the policy's.
         setattr(module, "dtype", compute)  # noqa: B010
     _fp8_matmuls(module, policy, path)
     half = compute != jnp.float32

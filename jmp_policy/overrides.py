@@ -9,15 +9,49 @@ policy. A path match beats a class match on the same module.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jmp_policy.policy import Policy, check_policy, get_policy
 
 FLOAT32 = get_policy("float32")
+
+FLOAT32_ISLAND = "jmp_float32_override"
+"""The name scope around a module that an override keeps in float32.
+
+`precision_report` and the integrations' float32 check read it from each
+operation's name stack to tell a float32 matmul the user asked for from one
+that slipped through; reports show module paths without it.
+"""
+
+
+def island_scope(own: Policy | None, compute: np.dtype) -> contextlib.AbstractContextManager:
+    """The scope to run a module in: `FLOAT32_ISLAND` if its own override computes in float32."""
+    if own is not None and compute == jnp.float32:
+        return jax.named_scope(FLOAT32_ISLAND)
+    return contextlib.nullcontext()
+
+
+def is_compute_dtype(value: Any) -> bool:
+    """Whether a module's `dtype` value is a computation dtype the policy decides.
+
+    True for floating dtypes and None (Flax: inferred from the inputs); False for
+    integer and bool dtypes (an index or mask dtype) and anything that is not a dtype.
+    """
+    if value is None:
+        return True
+    try:
+        return bool(jnp.issubdtype(jnp.dtype(value), jnp.floating))
+    except TypeError:
+        return False
 
 
 class Overrides:

@@ -9,6 +9,7 @@ from the optimizer state itself, so there is nothing to mix up.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,12 +43,18 @@ def value_and_scaled_grad(
       has_aux: as in `jax.value_and_grad`.
       argnums: as in `jax.value_and_grad` (positions in `args`, after
         `opt_state`).
-      grad_fn: the value-and-grad transform: `jax.value_and_grad` (default) or
-        `flax.nnx.value_and_grad` for NNX modules.
+      grad_fn: the value-and-grad transform: `jax.value_and_grad` (default),
+        `flax.nnx.value_and_grad` for NNX modules, or one that differentiates
+        its first argument only and takes no `argnums`, such as
+        `equinox.filter_value_and_grad` (then `argnums` must be 0).
 
     Returns:
       A function `(opt_state, *args, **kwargs) -> (value, grads)`; it works
-      under `jit`.
+      under `jit` (and `eqx.filter_jit`).
+
+    Raises:
+      TypeError: `fun` or `grad_fn` is not callable.
+      ValueError: `argnums` is not 0 with a `grad_fn` that takes no `argnums`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -71,16 +78,45 @@ def value_and_scaled_grad(
             f"flax.nnx.value_and_grad for `grad_fn`, got {type(grad_fn).__name__}."
         )
 
+    first_only = not _takes_argnums(grad_fn)
+    if first_only and argnums != 0:
+        raise ValueError(
+            f"Expected `argnums=0` with a `grad_fn` that takes no `argnums` ({_name(grad_fn)} "
+            f"differentiates its first argument only), got argnums={argnums!r}. Put what to "
+            "differentiate first (e.g. an Equinox model), or use jax.value_and_grad."
+        )
+
     def scaled(scale, *args, **kwargs):
         out = fun(*args, **kwargs)
         loss, aux = out if has_aux else (out, None)
         return scale.scale(loss), (loss, aux)
 
+    def scaled_first(first, scale, *rest, **kwargs):
+        return scaled(scale, first, *rest, **kwargs)
+
     def wrapped(opt_state, *args, **kwargs):
         scale = get_loss_scale(opt_state)
-        shifted = (argnums + 1) if isinstance(argnums, int) else tuple(i + 1 for i in argnums)
-        differentiate = grad_fn(scaled, argnums=shifted, has_aux=True)
-        (_, (loss, aux)), grads = differentiate(scale, *args, **kwargs)
+        if first_only:
+            differentiate = grad_fn(scaled_first, has_aux=True)
+            (_, (loss, aux)), grads = differentiate(args[0], scale, *args[1:], **kwargs)
+        else:
+            shifted = (argnums + 1) if isinstance(argnums, int) else tuple(i + 1 for i in argnums)
+            differentiate = grad_fn(scaled, argnums=shifted, has_aux=True)
+            (_, (loss, aux)), grads = differentiate(scale, *args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
+
+
+def _takes_argnums(grad_fn: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(grad_fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): assume jax's
+        return True
+    # Only a named `argnums`: Equinox's transforms take `**gradkwargs` and
+    # then refuse `argnums`. The first-argument call works with any transform.
+    return "argnums" in parameters
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}".lstrip(".")

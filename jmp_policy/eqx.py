@@ -1,0 +1,109 @@
+"""A policy on an Equinox model, and the loss-scaled gradient Equinox users call.
+
+Equinox models are pytrees that hold arrays and non-arrays (activation
+functions, flags, sizes); they have no compute-dtype attribute to set, so the
+policy is applied as a transform of the call: `mixed_precision(model, policy)`
+returns an `eqx.Module` that stores the parameters in `param_dtype` and runs
+the model under `jmp_policy.autocast` (matmuls and convs in the compute dtype;
+exp, log, softmax, normalisation statistics and large sums in float32;
+outputs, `eqx.nn.State` batch statistics included, in `output_dtype`).
+`filter_value_and_scaled_grad` is `value_and_scaled_grad` with
+`eqx.filter_value_and_grad`. Every state of this library passes through
+`eqx.filter_jit`, `eqx.partition`/`eqx.combine` and `eqx.filter_grad`.
+
+Equinox is an extra (`pip install "jmp_policy[equinox]"`); this module is
+imported on first use of `jmp_policy.eqx`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+
+from jmp_policy.autocast import autocast
+from jmp_policy.policy import Policy, check_policy, get_policy
+from jmp_policy.scaled_grad import value_and_scaled_grad
+
+
+@functools.cache
+def _call_under(policy: Policy) -> Callable[..., Any]:
+    # One autocast function per policy: its program cache is shared by every
+    # model run under that policy.
+    return autocast(lambda model, *args, **kwargs: model(*args, **kwargs), policy)
+
+
+class MixedPrecision(eqx.Module):
+    """An Equinox model run under a policy; call it like the model.
+
+    Attributes:
+      model: the wrapped model, its floating arrays in the policy's `param_dtype`.
+      policy: the policy (static).
+    """
+
+    model: Any
+    policy: Policy = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _call_under(self.policy)(self.model, *args, **kwargs)
+
+
+def mixed_precision(model: Any, policy: Policy | str = "mixed_float16") -> MixedPrecision:
+    """Applies `policy` to an Equinox model (any pytree that is callable).
+
+    Args:
+      model: an `eqx.Module` (or any callable pytree).
+      policy: a `Policy` or a policy string, e.g. "mixed_float16".
+
+    Returns:
+      A `MixedPrecision` module. Differentiate it with `eqx.filter_grad` (or
+      `filter_value_and_scaled_grad`) and update it with `eqx.apply_updates`
+      as you would the model; its gradients arrive in `param_dtype`.
+
+    Raises:
+      TypeError: `model` is not callable, or `policy` is not a policy.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, equinox as eqx
+      >>> import jmp_policy as jmp
+      >>> mlp = eqx.nn.MLP(4, 2, 16, 2, key=jax.random.key(0))
+      >>> model = jmp.eqx.mixed_precision(mlp, "mixed_float16")
+      >>> model(jnp.ones(4)).dtype, model.model.layers[0].weight.dtype
+      (dtype('float32'), dtype('float32'))
+      >>> jmp.precision_report(model, jnp.ones(4)).counts["dot_general"]
+      {'float16': 3}
+    """
+    if not callable(model):
+        raise TypeError(
+            f"Expected a callable Equinox module for `model`, got {type(model).__name__}."
+        )
+    policy = get_policy(policy) if isinstance(policy, str) else check_policy(policy)
+    return MixedPrecision(policy.cast_to_param(model), policy)
+
+
+def filter_value_and_scaled_grad(
+    fun: Callable[..., Any], *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """`value_and_scaled_grad` for Equinox: `(opt_state, model, *args) -> (value, grads)`.
+
+    Differentiates the scaled loss with respect to the floating arrays of the
+    first argument (`eqx.filter_value_and_grad`); `value` is the unscaled loss
+    (`(loss, aux)` with `has_aux`) and `grads` go to `tx.update` of a
+    `loss_scaling` optimizer.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, equinox as eqx, optax
+      >>> import jmp_policy as jmp
+      >>> model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+      >>> tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**10))
+      >>> opt_state = tx.init(eqx.filter(model, eqx.is_array))
+      >>> loss_fn = lambda m, x: jnp.sum(m(x) ** 2)
+      >>> loss, grads = jmp.eqx.filter_value_and_scaled_grad(loss_fn)(
+      ...     opt_state, model, jnp.ones(2))
+      >>> bool(jnp.allclose(grads.weight, 2**10 * jax.grad(lambda w: loss_fn(
+      ...     eqx.tree_at(lambda m: m.weight, model, w), jnp.ones(2)))(model.weight)))
+      True
+    """
+    return value_and_scaled_grad(fun, has_aux=has_aux, grad_fn=eqx.filter_value_and_grad)

@@ -1,0 +1,275 @@
+"""The Flax integrations on model code written the way other people write it.
+
+Explicit `dtype=self.dtype` / `dtype=config.dtype` plumbing with a float32 default (Flax's own
+examples), `setup`-style modules, integer dtypes beside floating ones; and the warning that
+says when a matmul or conv still runs in float32.
+"""
+
+import warnings
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from user_models import (
+    LinenTransformer,
+    ResNet18,
+    SetupMLP,
+    TransformerConfig,
+    image_batches,
+    token_batches,
+)
+
+import jmp_policy as jmp
+from jmp_policy.census import compute_dtype, iter_equations
+
+pytestmark = pytest.mark.standard_promotion  # user code: optax's Adam mixes float and int
+
+
+def _dtypes(jaxpr, primitive):
+    return [compute_dtype(e) for e in iter_equations(jaxpr) if e.primitive.name == primitive]
+
+
+def _half_share(dtypes):
+    return sum(d == jnp.float16 for d in dtypes) / len(dtypes)
+
+
+def _scale(policy):
+    half = policy.compute_dtype == jnp.float16
+    return jmp.DynamicLossScale(2.0**15) if half else jmp.NoOpLossScale()
+
+
+def _train_resnet(policy_name, steps=30):
+    """Flax's ImageNet recipe: BatchNorm over the 'batch' axis, gradients averaged over it."""
+    policy = jmp.get_policy(policy_name)
+    model = jmp.linen.mixed_precision(ResNet18(num_classes=4, num_filters=8), policy)
+    images, labels = image_batches(jax.random.key(0), steps)
+    variables = model.init(jax.random.key(1), images[0], train=False)
+    params, stats = variables["params"], variables["batch_stats"]
+    tx = jmp.loss_scaling(optax.adam(3e-3), _scale(policy), axis_name="batch")
+    opt_state = tx.init(params)
+    mesh = jax.make_mesh((len(jax.devices()),), ("batch",))
+
+    def loss_fn(params, stats, x, y):
+        logits, new = model.apply(
+            {"params": params, "batch_stats": stats}, x, mutable=["batch_stats"]
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, new["batch_stats"]
+
+    def step(params, stats, opt_state, x, y):
+        (loss, stats), grads = jmp.value_and_scaled_grad(loss_fn, has_aux=True)(
+            opt_state, params, stats, x, y
+        )
+        grads, loss = jax.lax.pmean((grads, loss), "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state, loss
+
+    put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))  # noqa: E731
+    images, labels = put(images, P(None, "batch")), put(labels, P(None, "batch"))
+    params, stats, opt_state = put(params, P()), put(stats, P()), put(opt_state, P())
+    specs = (P(), P(), P(), P("batch"), P("batch"))
+    train_step = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P(), P()))
+    )
+    jaxpr = jax.make_jaxpr(train_step)(params, stats, opt_state, images[0], labels[0])
+    losses = []
+    for i in range(steps):
+        params, stats, opt_state, loss = train_step(params, stats, opt_state, images[i], labels[i])
+        losses.append(float(loss))
+    return jaxpr, stats, float(np.mean(losses[-5:])), losses
+
+
+def test_imagenet_style_resnet18_trains_in_float16_under_shard_map():
+    jaxpr, stats, final16, losses = _train_resnet("mixed_float16")
+    _, _, final32, _ = _train_resnet("float32")
+    convs = _dtypes(jaxpr, "conv_general_dilated")
+    print(f"convs in float16: {sum(d == jnp.float16 for d in convs)} of {len(convs)}; "
+          f"final loss {final16:.4f} against float32's {final32:.4f}")  # fmt: skip
+    assert len(convs) == 59  # 20 forward, 39 backward: the training step of ResNet18
+    assert _half_share(convs) >= 0.9
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(stats))
+    assert final16 < losses[0]  # it learns
+    assert abs(final16 / final32 - 1) < 0.05
+
+
+def _train_transformer(policy_name, steps=40):
+    policy = jmp.get_policy(policy_name)
+    model = jmp.linen.mixed_precision(LinenTransformer(TransformerConfig()), policy)
+    tokens = token_batches(jax.random.key(0), steps)
+    params = model.init(jax.random.key(1), tokens[0])["params"]
+    tx = jmp.loss_scaling(optax.adam(3e-3), _scale(policy))
+    opt_state = tx.init(params)
+
+    def loss_fn(params, tokens):
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @jax.jit
+    def train_step(params, opt_state, tokens):
+        loss, grads = jmp.value_and_scaled_grad(loss_fn)(opt_state, params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jmp.PrecisionWarning)  # nothing slipped through
+        jaxpr = jax.make_jaxpr(train_step)(params, opt_state, tokens[0])
+    losses = []
+    for i in range(steps):
+        params, opt_state, loss = train_step(params, opt_state, tokens[i])
+        losses.append(float(loss))
+    return jaxpr, float(np.mean(losses[-5:])), losses
+
+
+def test_config_dataclass_transformer_trains_in_float16():
+    jaxpr, final16, losses = _train_transformer("mixed_float16")
+    _, final32, _ = _train_transformer("float32")
+    dots = _dtypes(jaxpr, "dot_general")
+    print(f"dot_generals in float16: {sum(d == jnp.float16 for d in dots)} of {len(dots)}; "
+          f"final loss {final16:.4f} against float32's {final32:.4f}")  # fmt: skip
+    assert _half_share(dots) >= 0.9
+    assert final16 < 0.5 * losses[0]
+    assert abs(final16 / final32 - 1) < 0.05
+
+
+def test_setup_style_children_follow_the_policy():
+    model = jmp.linen.mixed_precision(SetupMLP((16, 16, 4)), jmp.get_policy("mixed_bfloat16"))
+    x = jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+    report = jmp.precision_report(model.apply, variables, x)
+    assert report.counts["dot_general"] == {"bfloat16": 3}
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(variables))
+
+
+class TwoLines(nn.Module):  # the issue's repro
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.Dense(16, dtype=self.dtype)(x))
+
+
+def test_explicit_float32_dtype_no_longer_wins_over_the_policy():
+    model = jmp.linen.mixed_precision(TwoLines(), jmp.get_policy("mixed_float16"))
+    x = jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+    report = jmp.precision_report(model.apply, variables, x)
+    assert report.counts["dot_general"] == {"float16": 2}
+    assert report.half_matmul_flop_share == 1.0
+    assert report.float32_matmuls == ()
+
+
+class CastsUp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8)(x)
+        w = self.param("w", nn.initializers.ones, (8, 4))
+        # The model's own code widens a half-precision activation: this matmul is float32.
+        return h.astype(jnp.float32) @ w.astype(jnp.float32) + nn.Dense(4, name="head")(h)
+
+
+def test_float32_matmuls_outside_overrides_warn_once_and_are_reported():
+    overrides = {**jmp.linen.NORMS_IN_FLOAT32, "head": jmp.get_policy("float32")}
+    model = jmp.linen.mixed_precision(CastsUp(), jmp.get_policy("mixed_float16"), overrides)
+    x = jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = jax.jit(model.apply)
+        step(variables, x)
+        step(variables, x + 1)
+        model.apply(variables, x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, jmp.PrecisionWarning)]
+    assert len(messages) == 1, messages
+    assert "1 matmuls/convs still run in float32" in messages[0]
+    assert "CastsUp: an operand is cast from float16 to float32" in messages[0]
+    report = jmp.precision_report(model.apply, variables, x)
+    by_override = [m for m in report.float32_matmuls if m[3]]
+    slipped = [m for m in report.float32_matmuls if not m[3]]
+    assert [m[1] for m in by_override] == ["CastsUp/head"]
+    assert [m[1] for m in slipped] == ["CastsUp"] and "cast from float16" in slipped[0][2]
+    assert "1 by override or float32 region, 1 not" in str(report)
+
+
+def test_a_float32_policy_never_warns():
+    model = jmp.linen.mixed_precision(CastsUp(), jmp.get_policy("float32"))
+    x = jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jmp.PrecisionWarning)
+        model.apply(variables, x)
+
+
+class IndexDtype(nn.Module):
+    dtype: Any = jnp.int32  # an index dtype, not a compute dtype
+
+    @nn.compact
+    def __call__(self, x):
+        idx = jnp.arange(x.shape[-1], dtype=self.dtype)
+        return nn.Dense(4)(x[:, idx])
+
+
+def test_integer_dtypes_are_never_touched_in_linen():
+    model = jmp.linen.mixed_precision(IndexDtype(), jmp.get_policy("mixed_float16"))
+    x = jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+    assert model.apply(variables, x).dtype == jnp.float32
+    config = TransformerConfig(num_layers=1)
+    mixed = jmp.linen.mixed_precision(LinenTransformer(config), jmp.get_policy("mixed_float16"))
+    tokens = token_batches(jax.random.key(0), 1)[0]
+    logits = mixed.apply(mixed.init(jax.random.key(1), tokens), tokens)
+    assert logits.shape == (8, 16, 64) and config.index_dtype == jnp.int32
+
+
+class NNXIndexed(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 8, rngs=rngs)
+        self.head = nnx.Linear(8, 8, rngs=rngs)
+        self.dtype = jnp.int32  # for indices
+        self.w = nnx.Param(jnp.ones((8, 8)))
+
+    def __call__(self, x):
+        idx = jnp.arange(8, dtype=self.dtype)
+        h = self.linear(x)[:, idx]
+        return self.head(h) + h.astype(jnp.float32) @ self.w[...]
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([NNXIndexed(rngs), NNXIndexed(rngs)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_nnx_keeps_integer_dtypes_names_paths_and_warns_once():
+    overrides = {**jmp.nnx.NORMS_IN_FLOAT32, "*/head": jmp.get_policy("float32")}
+    model = jmp.nnx.mixed_precision(
+        NNXModel(nnx.Rngs(0)), jmp.get_policy("mixed_float16"), overrides
+    )
+    assert model.layers[0].dtype == jnp.int32 and model.layers[0].linear.dtype == jnp.float16
+    x = jnp.ones((2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = nnx.jit(lambda m, x: m(x))
+        step(model, x)
+        step(model, x)
+        model(x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, jmp.PrecisionWarning)]
+    assert len(messages) == 1, messages
+    assert "layers/0: an operand is cast from float16" in messages[0]
+    assert "layers/1: an operand is cast from float16" in messages[0]
+    report = jmp.precision_report(lambda x: model(x), x)
+    assert sorted(m[1] for m in report.float32_matmuls if m[3]) == [
+        "layers/0/head",
+        "layers/1/head",
+    ]
+    assert report.counts["dot_general"] == {"float16": 2, "float32": 4}
