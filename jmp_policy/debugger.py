@@ -24,6 +24,7 @@ from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
 from jmp_policy._pytree import register_state
+from jmp_policy.overrides import FLOAT32_ISLAND
 from jmp_policy.policy import is_floating_array
 
 _CALLS = {
@@ -291,8 +292,9 @@ def _layer_and_direction(name_stack: str) -> tuple[str, str]:
     parts = []
     for part in name_stack.split("/"):
         part = _WRAPPERS.sub("", part).rstrip(")")
-        # Keep module names (Flax's); drop einsum specs and op names XLA added.
-        if part and re.fullmatch(r"[A-Za-z_][\w.\-]*", part):
+        # Keep module names (Flax's); drop einsum specs, op names XLA added and
+        # the float32-override marker of the Flax integrations.
+        if part and part != FLOAT32_ISLAND and re.fullmatch(r"[A-Za-z_][\w.\-]*", part):
             parts.append(part)
     return ("/".join(parts) or TOP_LEVEL), ("backward" if backward else "forward")
 

@@ -56,6 +56,17 @@ def test_nnx_transformer_example_fast():
     assert load("examples/nnx_transformer.py").main(["--steps", "60"]) > 0.6
 
 
+def test_equinox_example_fast(capsys):
+    pytest.importorskip("equinox")
+    results = load("examples/equinox_transformer.py").main(["--steps", "60"])
+    final = {r.policy: r for r in results}
+    print(capsys.readouterr().out)
+    assert final["mixed_float16"].half_matmul_share == 1.0
+    assert final["float32"].half_matmul_share == 0.0
+    assert final["mixed_float16"].skipped == 0
+    assert abs(final["mixed_float16"].final_loss / final["float32"].final_loss - 1) < 0.02
+
+
 def test_autocast_example_fast():
     assert load("examples/autocast_flax.py").main(["--steps", "60"]) > 0.7
 
