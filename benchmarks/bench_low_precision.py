@@ -12,7 +12,13 @@ the batch, from `memory_analysis()`). Accuracy is the final loss on the demo's c
 (examples/demo.py) and the Linen CNN example (examples/linen_cnn.py), as a gap to the float32
 master's. Step time is a median over interleaved rounds, as a ratio to the float32 master's.
 
-    python benchmarks/bench_low_precision.py [--steps 300] [--plot low_precision.png] [--quick]
+A long run shows drift that only grows with steps (a 16-bit moment that stops following the
+gradients): an MLP classifier (64-256-256-10) on scikit-learn's digits, AdamW at 5e-5, 1500 steps
+of batch 128, two seeds, the held-out loss every 100 steps as a gap to the float32 master's
+(`--long-plot`).
+
+    python benchmarks/bench_low_precision.py [--steps 300] [--plot low_precision.png]
+        [--long-steps 1500] [--long-plot low_precision_long.png] [--quick]
 """
 
 from __future__ import annotations
@@ -117,6 +123,95 @@ def cnn_task(quick, steps):
     )
 
 
+class DigitsMLP:
+    """64-256-256-10, ReLU: the long run's classifier (plain Linen, built on first use)."""
+
+    def __new__(cls):
+        import flax.linen as nn
+
+        class MLP(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                for width in (256, 256):
+                    x = nn.relu(nn.Dense(width)(x))
+                return nn.Dense(10)(x)
+
+        return MLP()
+
+
+def digits_task(quick, steps, seed):
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    order = np.random.default_rng(1234).permutation(len(labels))  # one held-out split
+    images = (images[order] / 16.0).astype(np.float32)
+    labels = labels[order].astype(np.int32)
+    cut = len(labels) * 4 // 5
+    train_x, train_y = jnp.asarray(images[:cut]), jnp.asarray(labels[:cut])
+    mixed = jmp.linen.mixed_precision(
+        DigitsMLP(), jmp.get_policy("params=float32,compute=bfloat16,output=float32")
+    )
+    params = mixed.init(jax.random.key(seed), train_x[:1])["params"]
+    batch = 16 if quick else 128
+    picks = np.random.default_rng(seed).integers(0, cut, (steps, batch))
+
+    def loss_fn(params, extra, x, y):
+        logits = mixed.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), extra
+
+    held_out = [(jnp.asarray(images[cut:]), jnp.asarray(labels[cut:]))]
+    batch_at = lambda i: (train_x[picks[i]], train_y[picks[i]])  # noqa: E731
+    return f"digits MLP, seed {seed}", params, {}, loss_fn, batch_at, held_out
+
+
+def long_run(quick, steps, lr, seeds=(0, 1), every=100, compiler_options=None):
+    """Held-out loss gaps to the float32 master at every `every` steps, per variant and seed."""
+    every = min(every, steps)
+    gaps = {name: [] for name in VARIANTS}
+    finals = {name: [] for name in VARIANTS}
+    memory = {}
+    for seed in seeds:
+        task = digits_task(quick, steps, seed)
+        curves = {}
+        for name in VARIANTS:
+            _, final, memory[name], _, curves[name] = train(
+                task, name, steps, lr, compiler_options, eval_every=every
+            )
+            finals[name].append(final)
+        base = np.asarray(curves["float32 master"])
+        for name in VARIANTS:
+            gaps[name].append(100 * (np.asarray(curves[name]) / base - 1))
+    return gaps, finals, memory, every
+
+
+def plot_long(gaps, every, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, per_seed in gaps.items():
+        if name == "float32 master":
+            continue
+        runs = np.asarray(per_seed)
+        x = every * np.arange(1, runs.shape[1] + 1)
+        (line,) = ax.plot(x, runs.mean(axis=0), label=name)
+        for run in runs:
+            ax.plot(x, run, color=line.get_color(), alpha=0.3, linewidth=0.8)
+    ax.axhline(0.0, color="grey", linewidth=0.5)
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set(
+        title="digits MLP, AdamW 5e-5: held-out loss against the float32 master",
+        xlabel="step",
+        ylabel="held-out loss gap (%; mean of seeds, seeds faint)",
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def make_step(tx, loss_fn):
     @jax.jit
     def step(params, opt_state, extra, x, y):
@@ -127,7 +222,7 @@ def make_step(tx, loss_fn):
     return step
 
 
-def train(task, name, steps, lr, compiler_options=None):
+def train(task, name, steps, lr, compiler_options=None, eval_every=None):
     _, params, extra, loss_fn, batch_at, held_out = task
     tx, dtype = variant(name, lr)
     params = cast_floating(params, dtype)
@@ -139,14 +234,23 @@ def train(task, name, steps, lr, compiler_options=None):
     kept = step.memory_analysis().argument_size_in_bytes - sum(b.nbytes for b in batch)
     kept -= sum(x.nbytes for x in jax.tree.leaves(extra))
     bytes_per_param = kept / sum(x.size for x in jax.tree.leaves(params))
-    losses = []
+    evaluate = jax.jit(lambda p, e, x, y: loss_fn(p, e, x, y)[0])
+
+    def held_out_loss():
+        return float(np.mean([float(evaluate(params, extra, *b)) for b in held_out]))
+
+    losses, checkpoints = [], []
     for i in range(steps):
         params, opt_state, extra, loss = step(params, opt_state, extra, *batch_at(i))
         losses.append(loss)
-    evaluate = jax.jit(lambda p, e, x, y: loss_fn(p, e, x, y)[0])
-    final = float(np.mean([float(evaluate(params, extra, *b)) for b in held_out]))
+        if eval_every and (i + 1) % eval_every == 0:
+            checkpoints.append(held_out_loss())
+    final = held_out_loss()
     losses = np.asarray(jax.device_get(losses), np.float64)
-    return losses, final, bytes_per_param, (step, (params, opt_state, extra, *batch))
+    stepper = (step, (params, opt_state, extra, *batch))
+    if eval_every:
+        return losses, final, bytes_per_param, stepper, checkpoints
+    return losses, final, bytes_per_param, stepper
 
 
 def plot(curves, path):
@@ -188,6 +292,9 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--plot", default=None, help="PNG of the loss gap to the float32 master")
+    parser.add_argument("--long-steps", type=int, default=1500, help="steps of the digits run")
+    parser.add_argument("--long-lr", type=float, default=5e-5)
+    parser.add_argument("--long-plot", default=None, help="PNG of the long run's gap by step")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     args = parser.parse_args(argv)
     steps = {"lm": 4 if args.quick else args.steps, "cnn": 4 if args.quick else args.cnn_steps}
@@ -234,6 +341,40 @@ def main(argv=None):
     if args.plot:
         plot(curves, args.plot)
         lines += ["", f"![loss gap to the float32 master]({pathlib.Path(args.plot).name})"]
+    long_steps = 20 if args.quick else args.long_steps
+    gaps, long_finals, long_memory, every = long_run(
+        args.quick, long_steps, args.long_lr, every=10 if args.quick else 100,
+        compiler_options=xla_options(args.quick),
+    )  # fmt: skip
+    lines += [
+        "",
+        f"Long run: MLP 64-256-256-10 on scikit-learn's digits, AdamW at {args.long_lr:g} "
+        f"(weight decay 1e-4), {long_steps} steps of batch {16 if args.quick else 128}, bfloat16 "
+        "compute, seeds 0 and 1. Held-out loss against the float32 master's: the mean of the two "
+        "seeds at the end, each seed, and the gap at the first checkpoint "
+        f"(step {every}) and halfway, to show whether it grows with steps.",
+        "",
+        "| variant | bytes/param | final held-out loss | vs float32 master (mean) | seeds "
+        f"| at step {every} | at step {every * (long_steps // every // 2 or 1)} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in VARIANTS:
+        runs = np.asarray(gaps[name])
+        final_gaps = [
+            100 * (f / b - 1)
+            for f, b in zip(long_finals[name], long_finals["float32 master"], strict=True)
+        ]
+        half = max(runs.shape[1] // 2 - 1, 0)
+        lines.append(
+            f"| {name} | {long_memory[name]:.2f} | {np.mean(long_finals[name]):.4f} "
+            f"| {np.mean(final_gaps):+.2f}% | {', '.join(f'{g:+.2f}%' for g in final_gaps)} "
+            f"| {runs[:, 0].mean():+.2f}% | {runs[:, half].mean():+.2f}% |"
+        )
+        rows.append(("digits MLP (long run)", name, long_memory[name],
+                     float(np.mean(long_finals[name])), float(np.mean(final_gaps)), float("nan")))  # fmt: skip
+    if args.long_plot:
+        plot_long(gaps, every, args.long_plot)
+        lines += ["", f"![long-run gap by step]({pathlib.Path(args.long_plot).name})"]
     text = "\n".join(lines)
     print(text)
     return text, rows

@@ -61,9 +61,9 @@ def main(argv=None):
         sections.append(quietly(load("bench_autocast").main, ["--dtype", dtype, *small]))
     print("low-precision parameters and optimizer state ...", flush=True)
     lp_png = pathlib.Path(args.out).with_name("low_precision.png")
-    lp_text, _ = quietly(
-        load("bench_low_precision").main, ["--plot", str(lp_png)] + (["--quick"] if quick else [])
-    )
+    long_png = pathlib.Path(args.out).with_name("low_precision_long.png")
+    lp_args = ["--plot", str(lp_png), "--long-plot", str(long_png)] + (["--quick"] if quick else [])
+    lp_text, _ = quietly(load("bench_low_precision").main, lp_args)
     sections.append(lp_text)
     if jax.default_backend() == "gpu" and not quick:
         print("GPU transformer ...", flush=True)

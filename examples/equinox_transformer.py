@@ -36,12 +36,12 @@ class Block(eqx.Module):
     norm2: eqx.nn.LayerNorm
     mlp: eqx.nn.MLP
 
-    def __init__(self, key):
+    def __init__(self, dim, heads, key):
         k1, k2 = jax.random.split(key)
-        self.norm1 = eqx.nn.LayerNorm(DIM)
-        self.attention = eqx.nn.MultiheadAttention(HEADS, DIM, key=k1)
-        self.norm2 = eqx.nn.LayerNorm(DIM)
-        self.mlp = eqx.nn.MLP(DIM, DIM, 4 * DIM, 1, activation=jax.nn.gelu, key=k2)
+        self.norm1 = eqx.nn.LayerNorm(dim)
+        self.attention = eqx.nn.MultiheadAttention(heads, dim, key=k1)
+        self.norm2 = eqx.nn.LayerNorm(dim)
+        self.mlp = eqx.nn.MLP(dim, dim, 4 * dim, 1, activation=jax.nn.gelu, key=k2)
 
     def __call__(self, x, mask):
         h = jax.vmap(self.norm1)(x)
@@ -56,13 +56,13 @@ class CharLM(eqx.Module):
     norm: eqx.nn.LayerNorm
     head: eqx.nn.Linear
 
-    def __init__(self, key):
-        keys = jax.random.split(key, LAYERS + 3)
-        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=keys[0])
-        self.positions = 0.02 * jax.random.normal(keys[1], (LENGTH, DIM))
-        self.blocks = [Block(k) for k in keys[2:-1]]
-        self.norm = eqx.nn.LayerNorm(DIM)
-        self.head = eqx.nn.Linear(DIM, VOCAB, key=keys[-1])
+    def __init__(self, key, vocab=VOCAB, length=LENGTH, dim=DIM, heads=HEADS, layers=LAYERS):
+        keys = jax.random.split(key, layers + 3)
+        self.embed = eqx.nn.Embedding(vocab, dim, key=keys[0])
+        self.positions = 0.02 * jax.random.normal(keys[1], (length, dim))
+        self.blocks = [Block(dim, heads, k) for k in keys[2:-1]]
+        self.norm = eqx.nn.LayerNorm(dim)
+        self.head = eqx.nn.Linear(dim, vocab, key=keys[-1])
 
     def __call__(self, tokens):
         x = jax.vmap(self.embed)(tokens) + self.positions[: tokens.shape[0]]

@@ -14,6 +14,8 @@ applies its updates to 16-bit state in one of three ways:
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -158,6 +160,72 @@ def _moment_dtype(path: tuple, leaf: Any, dtypes: Mapping[str, np.dtype]) -> np.
     return None
 
 
+_DEFAULT_MOMENTS: dict[str, dict[str, Any]] = {
+    "stochastic": {"mu": BF16, "nu": BF16},  # unbiased by stochastic rounding
+    "kahan": {"mu": BF16, "nu": F32},  # nu's 0.1% steps vanish rounded to nearest
+    "split": {},  # the inner optimizer's own float32 moments: exact
+}
+
+
+def field_decays(inner: optax.GradientTransformation) -> dict[str, float]:
+    """Per floating state field of `inner`, the decay d of its update `f <- d f + c h(g)`.
+
+    Measured, not read from the optimizer's arguments (optax keeps them in closures): two
+    updates with a unit gradient on a one-element parameter give `f1 = c` and
+    `f2 = (1 + d) c`, so `d = f2 / f1 - 1` (Adam: `b1` for `mu`, `b2` for `nu`; a momentum
+    trace: its decay). A field that is zero after the first step, or whose measured decay is
+    not in (0, 1) (not a moving average or a decaying sum), is left out: its decay cannot be
+    known this way.
+    """
+    params = jnp.ones((1,), F32)
+    with jax.ensure_compile_time_eval(), jax.numpy_dtype_promotion("standard"):
+        state = inner.init(params)
+        grads = jnp.ones((1,), F32)
+        _, first = inner.update(grads, state, params)
+        _, second = inner.update(grads, first, params)
+        decays: dict[str, float] = {}
+        pairs = zip(
+            jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(second), strict=True
+        )
+        for (path, f1), f2 in pairs:
+            if not is_floating_array(f1) or f1.shape != (1,):
+                continue
+            before, after = float(f1[0]), float(f2[0])
+            if before == 0 or not math.isfinite(before) or not math.isfinite(after):
+                continue
+            decay = after / before - 1
+            if 0 < decay < 1:
+                for name in _field_names(path):
+                    decays[name] = max(decays.get(name, 0.0), decay)
+    return decays
+
+
+def _warn_if_fields_stall(inner: optax.GradientTransformation, dtypes: Mapping[str, Any]) -> None:
+    """Warns about 16-bit fields rounded to nearest whose per-step change rounds away."""
+    half = {name: dtype for name, dtype in dtypes.items() if dtype != F32}
+    if not half:
+        return
+    try:
+        decays = field_decays(inner)
+    except Exception:  # an optimizer that cannot run on a one-element probe: nothing known
+        return
+    for name, dtype in half.items():
+        decay = decays.get(name)
+        half_ulp = 2.0 ** -(jnp.finfo(dtype).nmant + 1)
+        if decay is not None and 1 - decay < half_ulp:
+            warnings.warn(
+                f"low_precision_optimizer: `moment_dtypes[{name!r}]` keeps {name!r} in "
+                f"{jnp.dtype(dtype).name} rounded to nearest, but the inner optimizer decays it "
+                f"by {decay:.6g} a step: its updates change it by 1 - {decay:.6g} = "
+                f"{1 - decay:.3g} of its value, below half a {jnp.dtype(dtype).name} ulp "
+                f"({half_ulp:.3g}), so they round away and {name!r} stops following the "
+                f"gradients. Store it in float32 (`moment_dtypes={{..., {name!r}: 'float32'}}`) "
+                "or use rounding='stochastic', which keeps 16-bit fields unbiased.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 def _floating_fields(tree: Any) -> list[str]:
     return sorted(
         {
@@ -193,9 +261,14 @@ def low_precision_optimizer(
       moment_dtypes: `{field name of inner's state: dtype}`, the storage dtype of each moment
         (e.g. `{"mu": "bfloat16", "nu": "bfloat16"}` for Adam; float16 is refused for "nu",
         whose squares underflow; a name the state lacks is a `ValueError` at `init`). They are
-        rounded the same way as the parameters with "stochastic", to nearest otherwise.
-        Default: bfloat16 "mu" and "nu" where the state has them with "stochastic" and "kahan";
-        with "split", the inner optimizer's own dtypes (that is what keeps it exact).
+        rounded the same way as the parameters with "stochastic", to nearest otherwise. Every
+        default keeps each 16-bit field unbiased: "stochastic" stores "mu" and "nu" in bfloat16
+        (rounded stochastically: 6 bytes a parameter with the parameter); "kahan" stores "mu" in
+        bfloat16 and "nu" in float32 (10 bytes), since Adam's `nu` moves by `1 - b2` = 0.1% a
+        step, below half a bfloat16 ulp, and rounded to nearest it stops following the
+        gradients; "split" keeps the inner optimizer's own dtypes (that is what keeps it exact).
+        A field stored rounded to nearest in 16 bits whose decay makes its updates vanish
+        (`1 - decay` below half an ulp) is warned about here, naming the field and its decay.
       seed: the seed of stochastic rounding; a run is deterministic for a given seed.
 
     Returns:
@@ -221,11 +294,13 @@ def low_precision_optimizer(
         raise ValueError(f"Expected one of {MODES} for `rounding`, got {rounding!r}.")
     given = moment_dtypes is not None
     if moment_dtypes is None:
-        moment_dtypes = {} if rounding == "split" else {"mu": BF16, "nu": BF16}
+        moment_dtypes = _DEFAULT_MOMENTS[rounding]
     dtypes = _check_dtypes(moment_dtypes)
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
         raise TypeError(f"Expected an int for `seed`, got {seed!r}.")
     inner = optax.with_extra_args_support(inner)
+    if rounding != "stochastic":
+        _warn_if_fields_stall(inner, dtypes)
 
     def check_params(params: Any) -> None:
         for path, p in jax.tree_util.tree_leaves_with_path(params):

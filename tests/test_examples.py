@@ -121,6 +121,12 @@ def test_run_all_benchmarks_quick(tmp_path):
     print(f"bytes per parameter: {by_variant}")
     assert by_variant["stochastic rounding"] <= 8 and by_variant["Kahan"] <= 10
     assert by_variant["float32 master"] > 11
+    # The long run (digits MLP, two seeds) and its gap-by-step plot.
+    assert "Long run: MLP 64-256-256-10 on scikit-learn's digits" in text
+    assert (tmp_path / "low_precision_long.png").read_bytes()[:4] == b"\x89PNG"
+    long_rows = [line.split(" | ") for line in text.splitlines() if line.count(" | ") == 6]
+    long_bytes = {row[0].lstrip("| "): float(row[1]) for row in long_rows if row[1][0].isdigit()}
+    assert long_bytes["stochastic rounding"] <= 8 and long_bytes["Kahan"] <= 10
     rows = [line.split(" | ") for line in text.splitlines() if line.count(" | ") == 10]
     shapes_seen = {row[0].lstrip("| ") for row in rows} - {"shape"}
     assert shapes_seen == {

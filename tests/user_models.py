@@ -7,8 +7,9 @@
   `Dense`, attention and embedding, `.astype(config.dtype)` in between, an integer index
   dtype beside it.
 - `SetupMLP`: a `setup`-style Linen module whose children read the parent's `dtype`.
-- `EqxTransformer`, `EqxCNN`: Equinox modules with function leaves (activations), an
-  `eqx.nn.State` for BatchNorm, vmapped over the batch inside the loss.
+- `make_eqx_transformer` (the Equinox example's model), `make_eqx_cnn`: Equinox modules with
+  function leaves (activations), an `eqx.nn.State` for BatchNorm, vmapped over the batch inside
+  the loss.
 
 Small sizes: they run on 2 CPU cores in seconds.
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -181,49 +184,12 @@ def _equinox():
 
 
 def make_eqx_transformer(key, vocab=64, dim=32, heads=4, layers=2, length=16):
-    eqx = _equinox()
-
-    class Block(eqx.Module):
-        norm1: eqx.nn.LayerNorm
-        attn: eqx.nn.MultiheadAttention
-        norm2: eqx.nn.LayerNorm
-        mlp: eqx.nn.MLP
-
-        def __init__(self, key):
-            k1, k2 = jax.random.split(key)
-            self.norm1 = eqx.nn.LayerNorm(dim)
-            self.attn = eqx.nn.MultiheadAttention(heads, dim, key=k1)
-            self.norm2 = eqx.nn.LayerNorm(dim)
-            self.mlp = eqx.nn.MLP(dim, dim, 2 * dim, 1, activation=jax.nn.gelu, key=k2)
-
-        def __call__(self, x, mask):
-            y = jax.vmap(self.norm1)(x)
-            x = x + self.attn(y, y, y, mask=mask)
-            return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
-
-    class EqxTransformer(eqx.Module):
-        embed: eqx.nn.Embedding
-        positions: jax.Array
-        blocks: list
-        norm: eqx.nn.LayerNorm
-        head: eqx.nn.Linear
-
-        def __init__(self, key):
-            keys = jax.random.split(key, layers + 3)
-            self.embed = eqx.nn.Embedding(vocab, dim, key=keys[0])
-            self.positions = 0.02 * jax.random.normal(keys[1], (length, dim))
-            self.blocks = [Block(k) for k in keys[2:-1]]
-            self.norm = eqx.nn.LayerNorm(dim)
-            self.head = eqx.nn.Linear(dim, vocab, key=keys[-1])
-
-        def __call__(self, tokens):
-            x = jax.vmap(self.embed)(tokens) + self.positions[: tokens.shape[0]]
-            mask = jnp.tril(jnp.ones((tokens.shape[0], tokens.shape[0]), bool))
-            for block in self.blocks:
-                x = block(x, mask)
-            return jax.vmap(self.head)(jax.vmap(self.norm)(x))
-
-    return EqxTransformer(key)
+    """The example's Equinox transformer (examples/equinox_transformer.py), at test size."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "equinox_transformer.py"
+    spec = importlib.util.spec_from_file_location("_equinox_transformer_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.CharLM(key, vocab=vocab, length=length, dim=dim, heads=heads, layers=layers)
 
 
 def make_eqx_cnn(key, classes=4):
