@@ -55,6 +55,10 @@ class LowPrecisionState(NamedTuple):
     key: jax.Array
     residual: chex.ArrayTree
 
+    # Read by `loss_scaling` (without importing this module): its warning about half-precision
+    # master weights stays silent for a state that keeps their updates on purpose.
+    keeps_16_bit_updates = True
+
 
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
     """Rounds float32 `x` to bfloat16, up with probability equal to the fraction dropped.

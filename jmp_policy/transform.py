@@ -123,10 +123,12 @@ def _half_leaves(tree: Any) -> list[str]:
 
 
 def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
-    from jmp_policy.low_precision import LowPrecisionState  # it imports this module
-
-    if find_states(inner_state, LowPrecisionState):
-        return  # 16-bit parameters and moments on purpose, their updates kept
+    # A state that declares it (low_precision_optimizer's) keeps 16-bit parameters and moments
+    # on purpose, their small updates kept. Read from the class, so that this module does not
+    # import the low-precision layer below it.
+    on_purpose = lambda x: getattr(type(x), "keeps_16_bit_updates", False) is True  # noqa: E731
+    if any(on_purpose(x) for x in jax.tree.leaves(inner_state, is_leaf=on_purpose)):
+        return
     for what, tree in (("parameters", params), ("the inner optimizer state", inner_state)):
         half = _half_leaves(tree)
         if half:

@@ -49,3 +49,36 @@ def test_public_names():
     # One name per concept: the merged and the internal names are gone.
     for gone in ("precision_census", "Census", "nonfinite_paths", "leaf_finite_vector"):
         assert not hasattr(jmp, gone), gone
+
+
+def test_no_import_circle_between_the_library_modules():
+    # Each module depends only on the layers above it (shared/DESIGN.md): no module may reach
+    # itself through imports, at module level or inside a function. The package's __init__
+    # (which re-exports everything) is left out.
+    import ast
+    import pathlib
+
+    package = pathlib.Path(jmp.__file__).parent
+    graph = {}
+    for path in package.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jmp_policy."):
+                imported.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                imported |= {
+                    a.name.split(".")[1] for a in node.names if a.name.startswith("jmp_policy.")
+                }
+        graph[path.stem] = imported - {path.stem}
+
+    def reaches(start, target, seen):
+        for nxt in graph.get(start, ()):
+            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
+                return True
+        return False
+
+    circles = sorted(m for m in graph if reaches(m, m, {m}))
+    assert not circles, {m: sorted(graph[m]) for m in circles}
+    assert "low_precision" not in graph["transform"]  # the circle issue 36 named
