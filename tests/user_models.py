@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import importlib.util
 import pathlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -185,10 +186,14 @@ def _equinox():
 
 def make_eqx_transformer(key, vocab=64, dim=32, heads=4, layers=2, length=16):
     """The example's Equinox transformer (examples/equinox_transformer.py), at test size."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "equinox_transformer.py"
-    spec = importlib.util.spec_from_file_location("_equinox_transformer_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    name = "_equinox_transformer_example"
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "equinox_transformer.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses (Equinox modules) look it up there
+        spec.loader.exec_module(module)
+    example = sys.modules[name]
     return example.CharLM(key, vocab=vocab, length=length, dim=dim, heads=heads, layers=layers)
 
 
