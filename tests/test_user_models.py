@@ -45,7 +45,7 @@ def _scale(policy):
     return jmp.DynamicLossScale(2.0**15) if half else jmp.NoOpLossScale()
 
 
-def _train_resnet(policy_name, steps=30):
+def _train_resnet(policy_name, steps=20):
     """Flax's ImageNet recipe: BatchNorm over the 'batch' axis, gradients averaged over it."""
     policy = jmp.get_policy(policy_name)
     model = jmp.linen.mixed_precision(ResNet18(num_classes=4, num_filters=8), policy)
