@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
+from jmp_policy.census import PrecisionWarning
 from jmp_policy.loss_scale import DynamicLossScale
 from jmp_policy.transform import find_loss_scaling_state, host_value
+
+UNSCALED_HINT_SCALE = 2.0**24
+"""A dynamic scale past this (Apex's cap) with no overflow ever: the gradients were not scaled."""
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -41,6 +46,9 @@ class LossScalingReport:
         "underflow", "overflow", "headroom"}}` (headroom: doublings of the loss scale
         left before that leaf overflows); None when not collected (yet).
       stats_step: the step they were collected at (None when not collected).
+      hint: a likely misuse read from these figures, or None. A dynamic scale past 2^24
+        (Apex's cap) that has never overflowed means the gradients did not come from the
+        scaled loss: `str()` then says so and points to `value_and_scaled_grad`.
     """
 
     loss_scale: float
@@ -52,6 +60,7 @@ class LossScalingReport:
     nonfinite_paths: tuple[str, ...]
     gradient_stats: dict[str, dict[str, float]] | None = None
     stats_step: int | None = None
+    hint: str | None = None
 
     def __str__(self) -> str:
         text = (
@@ -71,6 +80,8 @@ class LossScalingReport:
                 f"{stats[tight]['headroom']:g} doublings (least at {tight}), underflow "
                 f"{100 * stats[lost]['underflow']:.1f}% (most at {lost})"
             )
+        if self.hint:
+            text += f". {self.hint}"
         return text
 
 
@@ -101,16 +112,26 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
     at_floor = isinstance(scale, DynamicLossScale) and scale_value <= scale.floor
     paths = state.nonfinite_leaves.paths()
     gradient_stats, stats_step = _read_stats(state)
+    skipped = int(host_value(state.skipped_steps))
+    hint = None
+    if isinstance(scale, DynamicLossScale) and scale_value > UNSCALED_HINT_SCALE and skipped == 0:
+        hint = (
+            f"The loss scale grew to 2^{math.log2(scale_value):.0f} without a single non-finite "
+            "step: the gradients were probably not computed from the scaled loss (e.g. plain "
+            "jax.grad next to loss_scaling), so every update is that many times too small. "
+            "Compute them with jmp_policy.value_and_scaled_grad(loss_fn)(opt_state, params, ...)"
+        )
     return LossScalingReport(
         loss_scale=scale_value,
         applied_steps=int(host_value(state.applied_steps)),
-        skipped_steps=int(host_value(state.skipped_steps)),
+        skipped_steps=skipped,
         nonfinite_run=int(host_value(state.nonfinite_run)),
         last_step_skipped=bool(host_value(state.last_step_skipped)),
         at_floor=bool(at_floor),
         nonfinite_paths=paths,
         gradient_stats=gradient_stats,
         stats_step=stats_step,
+        hint=hint,
     )
 
 
@@ -148,7 +169,9 @@ def check_loss_scaling(opt_state: Any, max_nonfinite_run: int = 20) -> LossScali
       max_nonfinite_run: how many consecutive skipped steps to tolerate (>= 1).
 
     Returns:
-      The `LossScalingReport`, when the run is shorter than `max_nonfinite_run`.
+      The `LossScalingReport`, when the run is shorter than `max_nonfinite_run`. When the
+      report has a `hint` (a scale past 2^24 that never overflowed: unscaled gradients), a
+      `jmp_policy.PrecisionWarning` says it too.
 
     Raises:
       NonFiniteLossError: `max_nonfinite_run` or more consecutive steps were
@@ -176,4 +199,6 @@ def check_loss_scaling(opt_state: Any, max_nonfinite_run: int = 20) -> LossScali
             "NaN, lower the learning rate, or keep fragile ops (softmax, log, losses) in "
             f"float32. Status: {report}."
         )
+    if report.hint:
+        warnings.warn(f"check_loss_scaling: {report.hint}.", PrecisionWarning, stacklevel=2)
     return report

@@ -67,3 +67,31 @@ def test_stuck_training_becomes_visible():
         jmp.check_loss_scaling(state, max_nonfinite_run=6)
     with pytest.raises(ValueError, match="`max_nonfinite_run`"):
         jmp.check_loss_scaling(state, max_nonfinite_run=0)
+
+
+@pytest.mark.standard_promotion  # user code: optax mixes float and int
+def test_a_scale_that_never_overflows_past_2_24_points_to_value_and_scaled_grad():
+    # The misuse: plain jax.grad next to loss_scaling. The gradients are S times too small once
+    # unscaled, never overflow, and the scale grows without bound; the run trains 2^15x slowly.
+    tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**15, period=1))
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    loss_fn = lambda p: jnp.sum(p["w"] ** 2)  # noqa: E731
+    step = jax.jit(lambda p, s: tx.update(jax.grad(loss_fn)(p), s, p))
+    for _ in range(9):  # 2^15 -> 2^24: not yet past it
+        _, state = step(params, state)
+    assert jmp.loss_scaling_report(state).hint is None
+    _, state = step(params, state)
+    report = jmp.loss_scaling_report(state)
+    print(f"\n{report}")
+    assert report.loss_scale == 2.0**25 and report.skipped_steps == 0
+    assert "value_and_scaled_grad" in report.hint and "2^25" in report.hint
+    assert "not computed from the scaled loss" in str(report)
+    with pytest.warns(jmp.PrecisionWarning, match="value_and_scaled_grad"):
+        jmp.check_loss_scaling(state)
+    # Done right, the same step has no hint: the scale is what the gradients' range allows.
+    right = jax.jit(lambda p, s: tx.update(jmp.value_and_scaled_grad(loss_fn)(s, p)[1], s, p))
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = right(params, state)
+    assert jmp.loss_scaling_report(state).hint is None
