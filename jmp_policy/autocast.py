@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jmp_policy._compat import DropVar, bind_params, jaxprs_in_params
 from jmp_policy._pytree import is_traced_leaf
 from jmp_policy.fp8 import (
     FORMATS,
@@ -195,9 +196,9 @@ def _widest(dtypes: list) -> Any:
 def _bind(eqn: Any, invals: list, **param_updates) -> list:
     # As jax.core.eval_jaxpr does; keeping the equation's name stack means the
     # rewritten program still says which (Flax) module each op belongs to.
-    params = eqn.primitive.get_bind_params({**eqn.params, **param_updates})
+    subfuns, params = bind_params(eqn.primitive, {**eqn.params, **param_updates})
     with _source_context(eqn):
-        outs = eqn.primitive.bind(*invals, **params)
+        outs = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
@@ -225,7 +226,7 @@ def _eval_jaxpr(jaxpr: Any, consts: list, args: list, rules: _Rules) -> list:
         invals = [read(v) for v in eqn.invars]
         outs = _eval_equation(eqn, invals, rules)
         for var, value in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, jcore.DropVar):
+            if not isinstance(var, DropVar):
                 env[var] = value
     return [read(v) for v in jaxpr.outvars]
 
@@ -238,7 +239,7 @@ def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
     name = eqn.primitive.name
     if name in _STRUCTURAL:
         return _eval_structural(eqn, invals, rules)
-    has_subprogram = bool(list(jcore.jaxprs_in_params(eqn.params)))
+    has_subprogram = bool(list(jaxprs_in_params(eqn.params)))
     if (
         has_subprogram
         or name in ("custom_jvp_call", "custom_vjp_call", "bitcast_convert_type")

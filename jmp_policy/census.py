@@ -20,8 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from jmp_policy._compat import jaxprs_in_params
 from jmp_policy._pytree import split_traced
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
 from jmp_policy.overrides import FLOAT32_ISLAND

@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
+from jmp_policy._compat import DropVar, bind_params
 from jmp_policy._pytree import register_state
 from jmp_policy.overrides import FLOAT32_ISLAND
 from jmp_policy.policy import is_floating_array
@@ -334,7 +335,8 @@ class _Accumulator:
         ]
         if not any(wider) or not any(is_floating_array(o) for o in outs):
             return
-        params = dict(eqn.primitive.get_bind_params(eqn.params))
+        subfuns, params = bind_params(eqn.primitive, eqn.params)
+        params = dict(params)
         if params.get("preferred_element_type") is not None:
             params["preferred_element_type"] = self.dtype
         cast = [
@@ -342,7 +344,7 @@ class _Accumulator:
             for v, w in zip(invals, wider, strict=True)
         ]
         try:
-            half = eqn.primitive.bind(*cast, **params)
+            half = eqn.primitive.bind(*subfuns, *cast, **params)
         except (TypeError, ValueError, NotImplementedError):
             return  # no kernel in the target dtype: autocast runs such ops in float32
         half = list(half) if eqn.primitive.multiple_results else [half]
@@ -458,12 +460,12 @@ class _Interpreter:
                 consts_ = list(closed.consts) if closed is not None else []
                 outs = self.run(inner, consts_, invals[: len(inner.invars)], here)
             else:
-                params = eqn.primitive.get_bind_params(eqn.params)
-                outs = eqn.primitive.bind(*invals, **params)
+                subfuns, params = bind_params(eqn.primitive, eqn.params)
+                outs = eqn.primitive.bind(*subfuns, *invals, **params)
                 outs = list(outs) if eqn.primitive.multiple_results else [outs]
                 self._record(eqn, here, invals, outs)
             for var, value in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(var, jcore.DropVar):
+                if not isinstance(var, DropVar):
                     env[var] = value
         return [read(v) for v in jaxpr.outvars]
 

@@ -27,6 +27,7 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
+from jmp_policy._compat import variable_value
 from jmp_policy.policy import is_floating_array
 from jmp_policy.transform import find_states
 
@@ -444,8 +445,8 @@ def master_params(params: chex.ArrayTree, opt_state: Any) -> chex.ArrayTree:
     state = _find_state(opt_state)
 
     def one(r, p):
-        if hasattr(p, "get_value"):
-            p = p.get_value()  # an nnx.Variable holding its array
+        if hasattr(p, "get_value") or hasattr(p, "value"):
+            p = variable_value(p)  # an nnx.Variable holding its array
         if p.dtype != BF16 or r.dtype == _NO_RESIDUAL:
             return p.astype(F32) if jnp.issubdtype(p.dtype, jnp.floating) else p
         if r.dtype == jnp.int16:

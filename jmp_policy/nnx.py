@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jmp_policy._compat import set_variable_value, variable_value
 from jmp_policy._pytree import signature
 from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
@@ -251,7 +252,7 @@ def _apply_to_module(module: nnx.Module, policy: Policy, path: tuple[str, ...]) 
         setattr(module, "param_dtype", policy.param_dtype)  # noqa: B010
     for value in vars(module).values():
         if isinstance(value, nnx.Param):
-            value.set_value(policy.cast_to_param(value.get_value()))
+            set_variable_value(value, policy.cast_to_param(variable_value(value)))
 
 
 def _fp8_matmuls(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> None:

@@ -22,6 +22,7 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
+from jmp_policy._compat import pure
 from jmp_policy._pytree import register_state
 from jmp_policy._validation import whole_number
 from jmp_policy.debugger import GradientStats, empty_gradient_stats, gradient_stats
@@ -371,7 +372,7 @@ def _optimizer_state_of(obj: Any) -> Any:
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and isinstance(obj, nnx.Optimizer):
         # nnx wraps every leaf of the optax state in a Variable; unwrap them.
-        return nnx.as_pure(obj.opt_state)
+        return pure(obj.opt_state)
     return obj
 
 

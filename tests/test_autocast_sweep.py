@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jmp_policy as jmp
+from jmp_policy._compat import jaxprs_in_params
 
 N = 4
 MODULES = {"jnp.linalg": jnp.linalg, "jax.scipy.linalg": jax.scipy.linalg, "jnp.fft": jnp.fft}
@@ -58,7 +59,7 @@ def _first_working_call(fn):
 def _all_eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             yield from _all_eqns(sub)
 
 

@@ -15,6 +15,7 @@ from flax.training import train_state
 from models import CNN, Classifier, NNXClassifier
 
 import jmp_policy as jmp
+from jmp_policy._compat import jaxprs_in_params
 from jmp_policy.census import MATMULS, compute_dtype, iter_equations, report_of_jaxpr
 
 # Third-party code that mixes dtypes internally runs under JAX's standard
@@ -367,7 +368,7 @@ def test_linen_lifted_transforms_keep_the_carry_dtype():
 def _all_eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             yield from _all_eqns(sub)
 
 
