@@ -3,7 +3,8 @@
 `mixed_precision(module, policy)` returns an object with the module's `init`
 and `apply`: parameters stay stored in `param_dtype` (float32 master weights)
 and are cast to each module's compute dtype for the forward pass, every module
-call gets its floating inputs cast to its compute dtype, and the model's output
+computes in its policy's compute dtype (whatever `dtype` the model gave it) and
+gets its floating inputs cast to it, and the model's output
 comes back in `output_dtype`. Overrides (by class or path) give part of the
 model another policy: by default normalisation layers run in float32.
 Non-param collections (`batch_stats`, ...) are never cast down and are stored
@@ -327,6 +328,15 @@ def mixed_precision(
         `NORMS_IN_FLOAT32` (LayerNorm, BatchNorm, GroupNorm, RMSNorm,
         InstanceNorm in float32). Extend it with
         `{**NORMS_IN_FLOAT32, "head": jmp_policy.get_policy("float32")}`.
+
+    The policy decides every module's compute dtype: a floating (or unset)
+    `dtype` field, given explicitly (`dtype=self.dtype`, `dtype=config.dtype`)
+    or by default, and the floating `dtype` of a config dataclass a module
+    holds, become the compute dtype of the module's policy; an integer or bool
+    `dtype` is left alone. On the first `apply` with each input signature the
+    mixed program is traced once (abstractly) and a
+    `jmp_policy.PrecisionWarning` names the modules whose matmuls or convs
+    still run in float32 outside overrides, and why.
 
     Returns:
       A `MixedPrecisionModule` with the module's `init` and `apply`; the
