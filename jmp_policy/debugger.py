@@ -311,7 +311,16 @@ def _source(eqn: Any) -> str:
     return "(library code)"
 
 
-_MASK_MAGNITUDE = float(np.finfo(np.float32).max)
+# A masking constant, not data: what models write where attention may not look (float32's
+# lowest value as Flax does, -2.38e38, -1e30, -1e9 * 1e30...) is 1e30 or more in magnitude, or
+# exactly its dtype's largest value (float16's -65504). Left out of every statistic and op error.
+_MASK_MAGNITUDE = 1e30
+
+
+def _masks(magnitude: Any, dtype: Any) -> Any:
+    """Where `magnitude` (|x|, finite) is a masking constant for values of `dtype`."""
+    largest = float(jnp.finfo(dtype).max) if jnp.issubdtype(dtype, jnp.floating) else math.inf
+    return (magnitude >= _MASK_MAGNITUDE) | (magnitude == largest)
 
 
 class _Accumulator:
@@ -354,7 +363,7 @@ class _Accumulator:
                 continue
             f = np.asarray(full, np.float64)
             h = np.asarray(low, np.float64)
-            kept = np.isfinite(f) & (np.abs(f) < _MASK_MAGNITUDE)
+            kept = np.isfinite(f) & ~_masks(np.abs(f), full.dtype)
             if not kept.any():
                 continue
             diff = h[kept] - f[kept]
@@ -369,14 +378,14 @@ class _Accumulator:
     def add(self, key: tuple[str, str], value: np.ndarray) -> None:
         x = np.abs(np.asarray(value, np.float64)).ravel()
         finite = np.isfinite(x)
-        # float32's largest value is a masking constant (`jnp.finfo(jnp.float32).min`, as
-        # Flax's attention writes for -inf), not data: it would count as an overflow that
-        # compute-dtype masking never makes. Left out of every statistic.
-        xf = x[finite & (x < _MASK_MAGNITUDE)]
+        # A masking constant (Flax's `jnp.finfo(jnp.float32).min` for -inf, a model's -2.38e38)
+        # is not data: it would count as an overflow that compute-dtype masking never makes.
+        masked = finite & _masks(x, value.dtype)
+        xf = x[finite & ~masked]
         nonzero = xf[xf > 0]
         scaled = nonzero * (self.loss_scale if key[1] == "backward" else 1.0)
         s = self.stats.setdefault(key, [0, 0.0, math.inf, 0, 0, 0, 0, 0.0, 0.0])
-        s[0] += x.size - int((x[finite] >= _MASK_MAGNITUDE).sum())
+        s[0] += x.size - int(masked.sum())
         s[7] += float(nonzero[scaled < self.tiny].sum())
         s[8] += float(nonzero.sum())
         s[1] = max(s[1], float(xf.max()) if xf.size else 0.0)
@@ -669,7 +678,7 @@ class _InProgram(_Interpreter):
     def _add(self, key: tuple[str, str], value: jax.Array) -> None:
         x = jnp.abs(value.astype(jnp.float32)).ravel()
         is_finite = jnp.isfinite(x)
-        masked = is_finite & (x >= _MASK_MAGNITUDE)
+        masked = is_finite & _masks(x, value.dtype)
         finite = is_finite & ~masked
         nonzero = finite & (x > 0)
         new = [

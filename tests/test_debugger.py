@@ -334,3 +334,25 @@ def test_advice_on_a_transformer_keeps_every_matmul_in_half_precision():
         lambda p: mixed.apply({"params": p}, x), params
     ).half_matmul_flop_share
     assert share == 1.0
+
+
+@pytest.mark.parametrize("fill", [-2.38e38, -1e30])
+def test_a_mask_of_any_large_constant_is_left_out(fill):
+    # Models choose their own masking constant (an NNX transformer wrote -2.38e38, not
+    # float32's lowest value); every one of 1e30 or more is a mask, and so are the values the
+    # softmax derives from it (x - max stays beyond 1e30).
+    def loss(w, x):
+        logits = (x @ w) @ (x @ w).T
+        masked = jnp.where(jnp.tril(jnp.ones(logits.shape, bool)), logits, fill)
+        return jnp.mean(jax.nn.softmax(masked.astype(jnp.float32), axis=-1) ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (8, 8)) * 0.1
+    x = jax.random.normal(jax.random.key(1), (6, 8))
+    report = jmp.debug_precision(loss, w, x, dtype="float16")
+    print(f"\n{report}")
+    forward = [s for s in report.layers if s.direction == "forward"]
+    assert forward and all(s.overflow == 0 for s in forward)
+    assert all(math.isfinite(e.error) for e in report.op_errors), report.op_errors
+    # The ops that carry the mask are not sent to float32 for it (a sum may be, on its own merits).
+    advised = {p for ps in report.advice()["islands"].values() for p in ps}
+    assert not advised & {"select_n", "sub", "mul", "div", "broadcast_in_dim"}, advised
