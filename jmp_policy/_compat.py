@@ -1,6 +1,6 @@
 """What moved between the JAX and Flax releases this library supports, and nothing else.
 
-The supported window is about a year of releases: jax >= 0.8.3, flax >= 0.12.0, optax >= 0.2.6
+The supported window is about a year of releases: jax >= 0.8.3, flax >= 0.12.2, optax >= 0.2.6
 (pyproject.toml; CI runs the core tests on the oldest of them). Each function papers over one
 API that older releases lack; nothing else in the library tests versions.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 from jax.extend import core as _core
 
 
@@ -29,13 +30,13 @@ jaxprs_in_params = getattr(_core, "jaxprs_in_params", _jaxprs_in)
 
 
 def variable_value(variable: Any) -> Any:
-    """An `nnx.Variable`'s value (`get_value()` from Flax 0.12.1, `.value` before)."""
+    """An `nnx.Variable`'s value (`get_value()` where Flax has it, `.value` before)."""
     get = getattr(variable, "get_value", None)
     return get() if get is not None else variable.value
 
 
 def set_variable_value(variable: Any, value: Any) -> None:
-    """Sets an `nnx.Variable`'s value (`set_value()` from Flax 0.12.1, `.value =` before)."""
+    """Sets an `nnx.Variable`'s value (`set_value()` where Flax has it, `.value =` before)."""
     setter = getattr(variable, "set_value", None)
     if setter is not None:
         setter(value)
@@ -45,8 +46,7 @@ def set_variable_value(variable: Any, value: Any) -> None:
 
 def pure(tree: Any) -> Any:
     """A tree with every `nnx.Variable` replaced by its value (`nnx.as_pure` where Flax has it)."""
-    import jax
-    from flax import nnx
+    from flax import nnx  # only for NNX users: Flax loads with `jmp_policy.nnx`
 
     as_pure = getattr(nnx, "as_pure", None)
     if as_pure is not None:

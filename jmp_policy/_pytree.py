@@ -29,6 +29,14 @@ def leaf_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("static"))
 
 
+def new_unchecked(cls: type, fields: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass `cls` with `fields`, its constructor not run."""
+    new = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(new, name, value)
+    return new
+
+
 def register_state(cls: C) -> C:
     """Registers the frozen dataclass `cls` as a pytree rebuilt without validation."""
     data = leaf_names(cls)
@@ -44,12 +52,9 @@ def register_state(cls: C) -> C:
         return tuple(getattr(state, n) for n in data), tuple(getattr(state, n) for n in meta)
 
     def unflatten(aux: tuple, children: Any) -> Any:
-        new = object.__new__(cls)
-        for name, value in zip(data, children, strict=True):
-            object.__setattr__(new, name, value)
-        for name, value in zip(meta, aux, strict=True):
-            object.__setattr__(new, name, value)
-        return new
+        fields = dict(zip(data, children, strict=True))
+        fields.update(zip(meta, aux, strict=True))
+        return new_unchecked(cls, fields)
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
     return cls

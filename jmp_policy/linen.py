@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import unfreeze
 
-from jmp_policy._pytree import signature
+from jmp_policy._pytree import signature, split_traced
 from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
 from jmp_policy.overrides import FLOAT32, Overrides, is_compute_dtype, island_scope
@@ -134,18 +134,12 @@ class MixedPrecisionModule:
             record: dict[tuple[str, ...], Policy] = {}
             # Only arrays are traced; flags such as `train=False` and callables
             # such as `capture_intermediates` are passed through as they are.
-            leaves, treedef = jax.tree.flatten((variables, args, kwargs))
-            is_array = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
+            arrays, rebuild = split_traced((variables, args, kwargs))
 
             def run(arrays):
-                given = iter(arrays)
-                full = [
-                    next(given) if array else x for x, array in zip(leaves, is_array, strict=True)
-                ]
-                v, a, k = jax.tree.unflatten(treedef, full)
+                v, a, k = rebuild(arrays)
                 return self.module.apply(v, *a, method=method, mutable=True, **k)
 
-            arrays = [x for x, array in zip(leaves, is_array, strict=True) if array]
             self._run(lambda: jax.eval_shape(run, arrays), record)
             self._path_policies[key] = record
             self.overrides.warn_unmatched()

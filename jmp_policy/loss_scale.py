@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from jmp_policy._pytree import leaf_names, register_state
+from jmp_policy._pytree import leaf_names, new_unchecked, register_state
 from jmp_policy._validation import (
     check_flag,
     int_leaf,
@@ -289,10 +289,10 @@ def rebuild(state: Any, **changes) -> Any:
     For values valid by construction (`adjust`'s, a restored checkpoint's): skipping
     `__post_init__` means an eager step never waits on the device to validate them.
     """
-    new = object.__new__(type(state))
-    for field in dataclasses.fields(state):
-        object.__setattr__(new, field.name, changes.get(field.name, getattr(state, field.name)))
-    return new
+    fields = {
+        f.name: changes.get(f.name, getattr(state, f.name)) for f in dataclasses.fields(state)
+    }
+    return new_unchecked(type(state), fields)
 
 
 def leaf_fields(state) -> list[str]:
