@@ -56,6 +56,7 @@ def _callgrind(*command: str) -> None:
 def child(shape_name: str, quick: bool, only: list[str]) -> None:
     """Compiles every variant (or those in `only`) once for `shape_name`, a counter dump
     around each."""
+    jax.config.update("jax_enable_compilation_cache", False)  # count compiles, not cache reads
     shape = shapes.by_name(shape_name, quick=quick)
     names = [n for n in bench.variants(optax.adam(1e-3), shape.loss) if not only or n in only]
     _callgrind("--instr=on")

@@ -15,7 +15,12 @@ def xla_options(quick: bool) -> dict | None:
     buffers (memory figures unchanged). Quick figures show that a benchmark
     runs; they measure nothing. Full runs use XLA's defaults (None).
     """
-    return {"xla_backend_optimization_level": 0} if quick else None
+    if quick:
+        return {"xla_backend_optimization_level": 0}
+    # A full run times compiles: none may come from a persistent compilation cache
+    # (JAX_COMPILATION_CACHE_DIR; the test suite sets one for its quick runs).
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
 
 
 def median_seconds(fn, *args, repeats=30, warmup=3):

@@ -9,7 +9,9 @@ float and int32) are marked `standard_promotion`.
 
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 # The suite checks behaviour, not generated-code speed, and its time goes to XLA
 # compiles: LLVM's optimisation level 0 compiles them ~30% faster on CPU. It
@@ -22,6 +24,15 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
 
+# Tests repeat programs (the same model and step compiled by several tests, by
+# the docs runner and by subprocesses): one XLA compilation cache, in a folder
+# made for this run and removed after it, lets every worker and subprocess
+# reuse a program another one compiled. Nothing is reused across runs.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jmp_policy_xla_")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -30,6 +41,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 # Run only in its own subprocess (it needs 8 forced devices), never collected.
 collect_ignore = ["multidevice_script.py"]
+
+
+def pytest_unconfigure(config):
+    # The process that made the cache folder (xdist's controller, or pytest without
+    # xdist) removes it; xdist's workers inherited its name and leave it alone.
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_configure(config):
