@@ -239,7 +239,7 @@ def _best(times):
 
 
 def _quick_variants(optimizer, loss):
-    kept = (BASELINE, AGAIN, "jmp_policy.loss_scaling", FLOOR)
+    kept = (BASELINE, AGAIN, "jmp_policy.loss_scaling")
     return {n: v for n, v in variants(optimizer, loss).items() if n in kept}
 
 
@@ -355,8 +355,8 @@ def main(argv=None):
     for i, shape in enumerate(shapes.all_shapes(quick=args.quick)):
         print(f"{shape.name} ({shape.leaves} leaves) ...", flush=True)
         # The quick mode (a smoke test of this code) runs every variant on its first shape and,
-        # on the others, what the shape's own code path needs: the baseline, its A/A copy,
-        # loss_scaling and the floor.
+        # on the others, what the shape's own code path needs: the baseline, its A/A copy
+        # and loss_scaling.
         made = variants if not args.quick or i == 0 else _quick_variants
         results[(shape.name, shape.leaves)] = measure(
             shape, rounds=rounds, repeats=repeats, compiles=compiles,
