@@ -629,7 +629,7 @@ def test_program_grows_linearly_with_the_number_of_leaves():
 
     adam = optax.adam(1e-3)
     ours = jmp.loss_scaling(adam, jmp.DynamicLossScale(2.0**15))
-    extra = {n: instructions(ours, n) - instructions(adam, n) for n in (32, 64, 128)}
+    extra = {n: instructions(ours, n) - instructions(adam, n) for n in (32, 48, 64)}
     counts = sorted(extra)
     # The cost of one more leaf, between consecutive sizes: constant, not growing.
     marginal = [(extra[b] - extra[a]) / (b - a) for a, b in itertools.pairwise(counts)]
