@@ -99,8 +99,8 @@ def batches(ids, batch, length, seed):
         yield window[:, :-1], window[:, 1:]
 
 
-def advised_overrides(train_ids, vocab, args, dtype):
-    """`debug_precision` on the float32 model and one batch; its advice, as overrides."""
+def precision_advice(train_ids, vocab, args, dtype):
+    """`debug_precision` on the float32 model and one batch: the report, its advice printed."""
     model = LanguageModel(vocab, length=args.length)
     x, y = next(batches(train_ids, 8, args.length, seed=0))
     params = model.init(jax.random.key(0), x)["params"]
@@ -109,10 +109,11 @@ def advised_overrides(train_ids, vocab, args, dtype):
         logits = model.apply({"params": params}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    advice = jmp.debug_precision(loss_fn, params, x, y, dtype=dtype).advice()
+    report = jmp.debug_precision(loss_fn, params, x, y, dtype=dtype)
+    advice = report.advice()
     print(f"advice for {dtype}: overrides {advice['overrides']}")
     print(f"  float32 islands {advice['islands']}")
-    return advice["overrides"]  # {module path: "float32"}: overrides as they are
+    return report
 
 
 def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
@@ -346,7 +347,9 @@ def main(argv=None):
         f"Python language reference: {len(train_ids):,} training / {len(val_ids):,} validation characters, "
         f"vocabulary {vocab}; {args.steps} steps of {args.batch}x{args.length} tokens per policy"
     )
-    advised = advised_overrides(train_ids, vocab, args, "float16") if args.advice else None
+    advised = None
+    if args.advice:  # {module path: "float32"}: the advice's overrides, as they are
+        advised = precision_advice(train_ids, vocab, args, "float16").advice()["overrides"]
     runs = [
         train(
             name.strip(),

@@ -1,7 +1,11 @@
 """Tests for jmp_policy.debugger: planted faults must be named, statistics must match NumPy."""
 
+import argparse
 import functools
+import importlib.util
 import math
+import pathlib
+import sys
 
 import flax.linen as nn
 import jax
@@ -9,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import GPT
 
 import jmp_policy as jmp
 
@@ -305,16 +308,15 @@ def test_a_masking_constant_is_not_an_overflow():
 
 
 def test_advice_on_a_transformer_keeps_every_matmul_in_half_precision():
-    model = GPT(layers=2)
-    tokens = jax.random.randint(jax.random.key(0), (4, 17), 0, 64)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    params = model.init(jax.random.key(1), x)["params"]
-
-    def loss(params, x, y):
-        logits = model.apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    report = jmp.debug_precision(loss, params, x, y, dtype="float16")
+    # The demo's transformer (2 pre-norm blocks, Flax's attention) and its --advice path.
+    spec = importlib.util.spec_from_file_location(
+        "_demo", pathlib.Path(__file__).parents[1] / "examples" / "demo.py"
+    )
+    demo = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # for its dataclass
+    spec.loader.exec_module(demo)
+    train_ids, _, vocab = demo.load_text()
+    args = argparse.Namespace(length=16)
+    report = demo.precision_advice(train_ids, vocab, args, "float16")
     advice = report.advice()
     print(f"\n{advice}\n{report.op_errors[:8]}")
     # The normalisation layers, all of them and nothing else: their sums lose more than one
@@ -322,14 +324,19 @@ def test_advice_on_a_transformer_keeps_every_matmul_in_half_precision():
     norms = {"Block_0/LayerNorm_0", "Block_0/LayerNorm_1", "Block_1/LayerNorm_0",
              "Block_1/LayerNorm_1", "LayerNorm_0"}  # fmt: skip
     assert advice["overrides"] == dict.fromkeys(norms, "float32")
-    assert {e.layer for e in report.op_errors if e.error > 1} >= {f"GPT/{n}" for n in norms}
+    assert {e.layer for e in report.op_errors if e.error > 1} >= {
+        f"LanguageModel/{n}" for n in norms
+    }
     # Every matmul ran in float16 within about one rounding, and stays there.
     matmuls = [e for e in report.op_errors if e.primitive == "dot_general"]
     assert matmuls and max(e.error for e in matmuls) < 1.0
     assert not any(path in advice["overrides"] for path in ("Block_0", "head", "Embed_0"))
     assert all(e.error <= 1 or e.layer.split("/")[-1].startswith(("LayerNorm", "Block"))
                for e in report.op_errors)  # fmt: skip
+    model = demo.LanguageModel(vocab, length=args.length)
     mixed = jmp.linen.mixed_precision(model, "mixed_float16", advice["overrides"])  # as it is
+    x = jnp.zeros((2, args.length), jnp.int32)
+    params = model.init(jax.random.key(0), x)["params"]
     share = jmp.precision_report(
         lambda p: mixed.apply({"params": p}, x), params
     ).half_matmul_flop_share
