@@ -32,20 +32,21 @@ def test_every_code_block_is_collected():
 # block), each in a namespace of its own with nothing but what it imports itself, in a folder of
 # its own, as `python -c` would run it.
 _RUNNER = """
-import contextlib, io, json, os, sys, traceback
+import contextlib, io, json, os, sys, time, traceback
 blocks, root = json.load(open(sys.argv[1])), sys.argv[2]
 results = {}
 for number, (name, code) in enumerate(blocks):
     folder = os.path.join(root, str(number))
     os.makedirs(folder)
     os.chdir(folder)
-    out = io.StringIO()
+    out, start = io.StringIO(), time.perf_counter()
     try:
         with contextlib.redirect_stdout(out):
             exec(compile(code, name, "exec"), {"__name__": "__main__"})
         results[name] = [True, out.getvalue()[-500:]]
     except BaseException:
         results[name] = [False, traceback.format_exc()[-3000:]]
+    results[name].append(time.perf_counter() - start)
 json.dump(results, open(os.path.join(root, "results.json"), "w"))
 """
 
@@ -62,9 +63,9 @@ def test_every_code_block_runs_as_pasted(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((runs / "results.json").read_text())
     assert list(results) == [name for name, _ in blocks]
-    for name, (_, output) in results.items():
-        print(f"{name}: {output.strip()[-200:]}")
-    failed = {name: output for name, (ok, output) in results.items() if not ok}
+    for name, (_, output, seconds) in results.items():
+        print(f"{name} ({seconds:.1f} s): {output.strip()[-200:]}")
+    failed = {name: output for name, (ok, output, _) in results.items() if not ok}
     assert not failed, "\n\n".join(f"{name}:\n{trace}" for name, trace in failed.items())
 
 
