@@ -37,6 +37,9 @@ What is here, by topic:
   decompositions and FFTs in float32), `full_precision(fn)`, `AUTOCAST_ALLOW`, `AUTOCAST_DENY`,
   `AUTOCAST_NO_HALF_KERNEL`, `precision_report` (operations by dtype, FLOPs, casts, float32
   matmuls and why), `PrecisionWarning`.
+- Across devices: `jmp_policy.matmul` (half-precision matmuls and convs whose weight gradients
+  are made, and summed across devices, in float32); the Flax integrations and autocast use it
+  (`reduce_dtype`, `accumulate_dtype`).
 - Diagnostics: `loss_scaling_report` (the scale, skips, which gradients held inf/NaN, and
   gradient statistics with `loss_scaling(..., stats_every=N)`), `check_loss_scaling`,
   `NonFiniteLossError`; `debug_precision` (per-layer statistics in a target dtype, the first
@@ -48,7 +51,7 @@ The guides and the API reference are in the repository's docs/ folder (`mkdocs s
 
 from typing import TYPE_CHECKING
 
-from jmp_policy import _flax_serialization
+from jmp_policy import _flax_serialization, matmul
 from jmp_policy.autocast import ALLOW as AUTOCAST_ALLOW
 from jmp_policy.autocast import DENY as AUTOCAST_DENY
 from jmp_policy.autocast import NO_HALF_KERNEL as AUTOCAST_NO_HALF_KERNEL
@@ -144,6 +147,7 @@ __all__ = (
     "loss_scaling_report",
     "low_precision_optimizer",
     "master_params",
+    "matmul",
     "nnx",
     "precision_report",
     "select_tree",

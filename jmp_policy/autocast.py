@@ -45,6 +45,7 @@ from jmp_policy.fp8 import (
     fp8_eligible,
     fp8_excluded_by,
 )
+from jmp_policy.matmul import check_accumulate_dtype, check_reduce_dtype, mixed
 from jmp_policy.policy import Policy, casting_policy, check_policy
 
 try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
@@ -115,6 +116,10 @@ _STRUCTURAL = frozenset(
 # Regions made by autocast/full_precision: kept as they are when nested.
 _REGION_NAMES = ("jmp_autocast_region", "jmp_full_precision_region")
 _FLOAT32 = np.dtype(np.float32)
+# Run through `jmp_policy.matmul.mixed` when `reduce_dtype`/`accumulate_dtype` ask for it,
+# with lax's functions (they take the equations' parameters as keywords).
+_LAX_MATMULS = {"dot_general": lax.dot_general, "conv_general_dilated": lax.conv_general_dilated}
+_MIXED = frozenset(_LAX_MATMULS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +132,10 @@ class _Rules:
     # with these (scaling, fmt), and `compute` is bfloat16 for everything else.
     fp8: tuple[str, str] | None = None
     fp8_exclude: tuple[str, ...] = ()
+    # `jmp_policy.matmul`: float32 operands' gradients made in float32 (`reduce`), and
+    # the matmul's result in `accumulate` (None: the compute dtype).
+    reduce: bool = False
+    accumulate: np.dtype | None = None
 
     @classmethod
     def of(
@@ -136,11 +145,21 @@ class _Rules:
         deny: frozenset,
         fp8: tuple[str, str],
         fp8_exclude: tuple[str, ...],
+        reduce: bool = False,
+        accumulate: np.dtype | None = None,
     ) -> _Rules:
         if policy.compute_dtype.itemsize == 1:  # float8: matmuls only
             compute = casting_policy(policy).compute_dtype
             return cls(compute, policy.output_dtype, allow, deny, fp8, fp8_exclude)
-        return cls(policy.compute_dtype, policy.output_dtype, allow, deny)
+        half = policy.compute_dtype != _FLOAT32
+        return cls(
+            policy.compute_dtype,
+            policy.output_dtype,
+            allow,
+            deny,
+            reduce=reduce and half,
+            accumulate=accumulate if half else None,
+        )
 
 
 def _known_primitives() -> frozenset:
@@ -283,6 +302,20 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
                     lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling, out_dtype=rules.compute
                 )
             return [out]
+    if name in rules.allow and name in _MIXED and (rules.reduce or rules.accumulate is not None):
+        lhs, rhs = invals
+        if not rules.reduce:  # gradients in the compute dtype: cast before the op
+            lhs, rhs = _cast(lhs, rules.compute), _cast(rhs, rules.compute)
+
+        def op(lhs, rhs, preferred):
+            # Through lax's functions, not `bind`: they add what the operands need
+            # (e.g. `pvary` for a replicated weight inside `shard_map`).
+            return _LAX_MATMULS[name](
+                lhs, rhs, **{**eqn.params, "preferred_element_type": preferred}
+            )
+
+        with _source_context(eqn):
+            return [mixed(op, rules.compute, rules.accumulate, lhs, rhs)]
     if name in rules.allow:
         target = rules.compute
         invals = [_cast(x, target) for x in invals]
@@ -506,6 +539,8 @@ def autocast(
     fp8_scaling: str = "tensorwise",
     fp8_format: str = "hybrid",
     fp8_exclude: Iterable[str] = FP8_EXCLUDE,
+    reduce_dtype: Any = jnp.float32,
+    accumulate_dtype: Any = None,
 ) -> Callable:
     """Runs `fun` with matmuls in half precision and fragile ops in float32.
 
@@ -536,6 +571,12 @@ def autocast(
         (each matched against every component of a module path) whose
         matmuls stay in bfloat16; default `jmp_policy.fp8.FP8_EXCLUDE`, the
         logits head and the embedding. `()` puts every eligible matmul in float8.
+      reduce_dtype: float32 (default): under a half compute dtype, a matmul or
+        conv casts its float32 operands (the weights) inside the op
+        (`jmp_policy.matmul`), so their gradients are made, and summed across
+        devices, in float32. None: in the compute dtype (half the bytes).
+      accumulate_dtype: e.g. float32: matmuls and convs return their sum in
+        this dtype (`preferred_element_type`); None (default): the compute dtype.
 
     Returns:
       The autocast function.
@@ -582,7 +623,15 @@ def autocast(
             raise ValueError(
                 f"Invalid regular expression {pattern!r} in `fp8_exclude`: {e}."
             ) from e
-    rules = _Rules.of(policy, allow, deny, (fp8_scaling, fp8_format), exclude)
+    rules = _Rules.of(
+        policy,
+        allow,
+        deny,
+        (fp8_scaling, fp8_format),
+        exclude,
+        reduce=check_reduce_dtype(reduce_dtype) is not None,
+        accumulate=check_accumulate_dtype(accumulate_dtype),
+    )
     return _Autocast(
         fun,
         rules,

@@ -32,11 +32,17 @@ MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 
 def iter_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[JaxprEqn]:
     """Yields every equation of a (closed) jaxpr, nested programs included."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
+    for eqn, _ in _weighted_equations(jaxpr):
         yield eqn
-        for sub in jaxprs_in_params(eqn.params):
-            yield from iter_equations(sub)
+
+
+def _within(eqn: JaxprEqn, outer: JaxprEqn | None) -> JaxprEqn:
+    """`eqn` with its module path in full: a nested program's equations (a scan body, a
+    `custom_vjp`'s forward) name their modules relative to the equation holding them."""
+    if outer is None or not str(outer.source_info.name_stack):
+        return eqn
+    stack = outer.source_info.name_stack + eqn.source_info.name_stack
+    return eqn.replace(source_info=eqn.source_info.replace(name_stack=stack))
 
 
 def _aval(var: Any) -> Any:
@@ -89,15 +95,16 @@ def _matmul_shape_info(eqn: JaxprEqn) -> tuple[int, list[int], list[int]]:
 
 
 def _weighted_equations(
-    jaxpr: Jaxpr | ClosedJaxpr, times: int = 1
+    jaxpr: Jaxpr | ClosedJaxpr, times: int = 1, outer: JaxprEqn | None = None
 ) -> Iterator[tuple[JaxprEqn, int]]:
     """Like `iter_equations`, with how often each runs (scan bodies: `length` times)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
+        eqn = _within(eqn, outer)
         yield eqn, times
         inner = times * eqn.params["length"] if eqn.primitive.name == "scan" else times
         for sub in jaxprs_in_params(eqn.params):
-            yield from _weighted_equations(sub, inner)
+            yield from _weighted_equations(sub, inner, eqn)
 
 
 HALF = ("float16", "bfloat16")

@@ -13,9 +13,10 @@ back in their own dtype (float32).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import unfreeze
 
+from jmp_policy import matmul
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
@@ -48,7 +50,14 @@ class MixedPrecisionModule:
       overrides: the validated overrides.
     """
 
-    def __init__(self, module: nn.Module, policy: Policy, overrides: Mapping[Any, Policy]):
+    def __init__(
+        self,
+        module: nn.Module,
+        policy: Policy,
+        overrides: Mapping[Any, Policy],
+        reduce_dtype: Any = jnp.float32,
+        accumulate_dtype: Any = None,
+    ):
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"Expected a flax.linen.Module for `module`, got {type(module).__name__}."
@@ -56,9 +65,14 @@ class MixedPrecisionModule:
         self.module = module
         self.policy = check_policy(policy)
         self.overrides = Overrides(overrides, nn.Module)
+        self.reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
+        self.accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)
         # Module path -> the policy it runs under, learnt from a trace (abstract,
         # so it costs no compute); needed to cast each parameter for its module.
         self._path_policies: dict[Any, dict[tuple[str, ...], Policy]] = {}
+        # Module paths of Flax layers that cast their own parameters where they use them
+        # (a `promote_dtype` field): their parameters are not cast before the call.
+        self._cast_at_use: dict[Any, set[tuple[str, ...]]] = {}
         self._stack: list[Policy] = []
         self._checked: set[Any] = set()
 
@@ -73,7 +87,7 @@ class MixedPrecisionModule:
             return own
         return self._stack[-1] if self._stack else self.policy
 
-    def _interceptor(self, record: dict | None):
+    def _interceptor(self, record: dict | None, cast_at_use: set | None = None):
         def intercept(next_fun, args, kwargs, context):
             if context.method_name == "setup" or (
                 context.method_name.startswith("_") and context.method_name != "__call__"
@@ -86,6 +100,10 @@ class MixedPrecisionModule:
                 # A recording pass (init, or learning the module paths) only
                 # needs the structure: it runs the module as written.
                 record[path] = policy
+                if cast_at_use is not None and "promote_dtype" in getattr(
+                    module, "__dataclass_fields__", {}
+                ):
+                    cast_at_use.add(path)
                 self._stack.append(policy)
                 try:
                     return next_fun(*args, **kwargs)
@@ -95,21 +113,41 @@ class MixedPrecisionModule:
             cast = casting_policy(policy)
             _compute_in(module, cast.compute_dtype)
             _softmax_in_float32(module, cast)
+            out_dtype = (
+                None  # a float8 policy's layers are float8's (`_fp8_matmuls`)
+                if policy.compute_dtype.itemsize == 1
+                else _weights_cast_inside(
+                    module,
+                    context.method_name,
+                    cast.compute_dtype,
+                    self.reduce_dtype,
+                    self.accumulate_dtype,
+                )
+            )
+            # Flax adds a float32 bias to the matmul's result: standard promotion there.
+            promotion = (
+                contextlib.nullcontext()
+                if out_dtype is None
+                else jax.numpy_dtype_promotion("standard")
+            )
             self._stack.append(policy)
             try:
                 with island_scope(self.overrides.own_policy(path, module), cast.compute_dtype):
-                    out = next_fun(*cast.cast_to_compute(args), **cast.cast_to_compute(kwargs))
+                    with promotion:
+                        out = next_fun(*cast.cast_to_compute(args), **cast.cast_to_compute(kwargs))
             finally:
                 self._stack.pop()
+            if out_dtype is not None:
+                out = cast.with_compute_dtype(out_dtype).cast_to_compute(out)
             if path and args and not isinstance(module.parent, nn.Module):
                 out = _carry_keeps_its_dtype(args[0], out)
             return out
 
         return intercept
 
-    def _run(self, fn, record=None):
+    def _run(self, fn, record=None, cast_at_use=None):
         self._stack = []
-        with nn.intercept_methods(self._interceptor(record)):
+        with nn.intercept_methods(self._interceptor(record, cast_at_use)):
             return fn()
 
     # --- parameters -----------------------------------------------------------
@@ -121,9 +159,13 @@ class MixedPrecisionModule:
                 return path_policies[param_path[:cut]]
         return self.policy
 
-    def _cast_params(self, params, path_policies, to: str):
+    def _cast_params(
+        self, params, path_policies, to: str, cast_at_use: Collection[tuple[str, ...]] = ()
+    ):
         def cast(path, leaf):
             keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+            if keys[:-1] in cast_at_use:
+                return leaf  # the layer casts it where it uses it
             policy = casting_policy(self._module_policy(path_policies, keys[:-1]))
             return getattr(policy, f"cast_to_{to}")(leaf)
 
@@ -132,6 +174,7 @@ class MixedPrecisionModule:
     def _learn_paths(self, key, variables, args, kwargs, method):
         if key not in self._path_policies:
             record: dict[tuple[str, ...], Policy] = {}
+            cast_at_use: set[tuple[str, ...]] = set()
             # Only arrays are traced; flags such as `train=False` and callables
             # such as `capture_intermediates` are passed through as they are.
             arrays, rebuild = split_traced((variables, args, kwargs))
@@ -140,20 +183,24 @@ class MixedPrecisionModule:
                 v, a, k = rebuild(arrays)
                 return self.module.apply(v, *a, method=method, mutable=True, **k)
 
-            self._run(lambda: jax.eval_shape(run, arrays), record)
+            self._run(lambda: jax.eval_shape(run, arrays), record, cast_at_use)
             self._path_policies[key] = record
+            self._cast_at_use[key] = cast_at_use
             self.overrides.warn_unmatched()
-        return self._path_policies[key]
+        return self._path_policies[key], self._cast_at_use[key]
 
     # --- the module's API -------------------------------------------------------
 
     def init(self, rngs, *args, method=None, **kwargs):
         """Like `module.init`; parameters are stored in each module's `param_dtype`."""
         record: dict[tuple[str, ...], Policy] = {}
+        cast_at_use: set[tuple[str, ...]] = set()
         variables = self._run(
-            lambda: self.module.init(rngs, *args, method=method, **kwargs), record
+            lambda: self.module.init(rngs, *args, method=method, **kwargs), record, cast_at_use
         )
-        self._path_policies.setdefault(_call_key(method, args, kwargs), record)
+        if _call_key(method, args, kwargs) not in self._path_policies:
+            self._path_policies[_call_key(method, args, kwargs)] = record
+            self._cast_at_use[_call_key(method, args, kwargs)] = cast_at_use
         self.overrides.warn_unmatched()
         variables = unfreeze(variables)
         if "params" in variables:
@@ -169,10 +216,12 @@ class MixedPrecisionModule:
         """
         variables = unfreeze(variables)
         key = _call_key(method, args, kwargs)
-        path_policies = self._learn_paths(key, variables, args, kwargs, method)
+        path_policies, cast_at_use = self._learn_paths(key, variables, args, kwargs, method)
         cast_vars = dict(variables)
         if "params" in variables:
-            cast_vars["params"] = self._cast_params(variables["params"], path_policies, "compute")
+            cast_vars["params"] = self._cast_params(
+                variables["params"], path_policies, "compute", cast_at_use
+            )
 
         def run(cast_vars, args, kwargs):
             return self._run(
@@ -254,6 +303,35 @@ def _compute_in(module: nn.Module, dtype: np.dtype) -> None:
             object.__setattr__(module, name, dataclasses.replace(config, dtype=dtype))
 
 
+def _weights_cast_inside(
+    module: nn.Module, method: str, compute: np.dtype, reduce_dtype: Any, accumulate: Any
+) -> np.dtype | None:
+    """Flax's Dense, DenseGeneral and Conv multiply through `jmp_policy.matmul` (their kernel
+    cast inside the matmul, its gradient made and summed across devices in float32), and
+    Embed gathers float32 rows; returns the dtype their output is cast to (None: the layer
+    is left as Flax wrote it). The bound module is a per-call clone."""
+    if compute == jnp.float32 or (reduce_dtype is None and accumulate is None):
+        return None
+    fields = getattr(module, "__dataclass_fields__", {})
+    if "promote_dtype" not in fields:
+        return None
+    if isinstance(module, (nn.Dense, nn.DenseGeneral)):
+        hook, op = "dot_general", matmul.dot_general(compute, accumulate)
+    elif isinstance(module, nn.Conv):
+        hook, op = "conv_general_dilated", matmul.conv_general_dilated(compute, accumulate)
+    elif isinstance(module, nn.Embed) and method == "__call__" and reduce_dtype is not None:
+        object.__setattr__(module, "promote_dtype", matmul.promote_for_lookup)
+        return compute
+    else:
+        return None
+    if getattr(module, hook) is not None or getattr(module, f"{hook}_cls", None) is not None:
+        return None  # the user's own (or float8's)
+    object.__setattr__(module, hook, op)
+    if reduce_dtype is not None:
+        object.__setattr__(module, "promote_dtype", matmul.promote_inputs_only)
+    return accumulate or compute
+
+
 def _weights_in_value_dtype(subscripts, weights, value, **kwargs):
     # After a float32 softmax, the weights go back to the value's (compute)
     # dtype, so the second attention matmul runs in half precision too.
@@ -304,7 +382,12 @@ def _call_key(method, args, kwargs) -> Any:
 
 
 def mixed_precision(
-    module: nn.Module, policy: Policy, overrides: Mapping[Any, Policy] = NORMS_IN_FLOAT32
+    module: nn.Module,
+    policy: Policy,
+    overrides: Mapping[Any, Policy] = NORMS_IN_FLOAT32,
+    *,
+    reduce_dtype: Any = jnp.float32,
+    accumulate_dtype: Any = None,
 ) -> MixedPrecisionModule:
     """Applies `policy` to an unmodified Linen module.
 
@@ -322,6 +405,15 @@ def mixed_precision(
         `NORMS_IN_FLOAT32` (LayerNorm, BatchNorm, GroupNorm, RMSNorm,
         InstanceNorm in float32). Extend it with
         `{**NORMS_IN_FLOAT32, "head": jmp_policy.get_policy("float32")}`.
+      reduce_dtype: float32 (default): under a half compute dtype, `Dense`,
+        `DenseGeneral` and `Conv` cast their kernel inside their matmul
+        (`jmp_policy.matmul`), so kernel and bias gradients are made, and
+        summed across devices, in float32, and `Embed` gathers float32 rows;
+        parameters of Flax's layers are cast where each layer uses them.
+        None: gradients in the compute dtype (half the bytes on the wire).
+      accumulate_dtype: e.g. float32: those matmuls return their sum in
+        this dtype (`preferred_element_type`), the bias is added in it, and
+        the layer's output stays in it. None (default): the compute dtype.
 
     The policy decides every module's compute dtype: a floating (or unset)
     `dtype` field, given explicitly (`dtype=self.dtype`, `dtype=config.dtype`)
@@ -351,4 +443,4 @@ def mixed_precision(
       >>> kernel.dtype, mixed.apply(variables, jnp.ones((1, 4))).dtype
       (dtype('float32'), dtype('float32'))
     """
-    return MixedPrecisionModule(module, policy, overrides)
+    return MixedPrecisionModule(module, policy, overrides, reduce_dtype, accumulate_dtype)

@@ -19,14 +19,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn.dtypes import promote_dtype as flax_promote_dtype
 from jax import lax
 
+from jmp_policy import matmul
 from jmp_policy._compat import set_variable_value, variable_value
 from jmp_policy._pytree import signature
 from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
 from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
-from jmp_policy.policy import Policy, casting_policy, check_policy
+from jmp_policy.policy import Policy, cast_floating, casting_policy, check_policy
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
     {
@@ -63,10 +65,17 @@ def _subclass(cls: type, role: str) -> type:
     if (base, role) not in _CLASSES:
 
         def scoped(self, *args, **kwargs):
+            out_dtype = getattr(self, "_jmp_policy_out_dtype", None)
             with contextlib.ExitStack() as scopes:
                 for name in self._jmp_policy_scope:
                     scopes.enter_context(jax.named_scope(name))
-                return base.__call__(self, *args, **kwargs)
+                if out_dtype is None:
+                    return base.__call__(self, *args, **kwargs)
+                # A layer that casts its weights inside its matmul (`jmp_policy.matmul`):
+                # Flax adds the float32 bias under standard promotion, the output is cast.
+                scopes.enter_context(jax.numpy_dtype_promotion("standard"))
+                out = base.__call__(self, *args, **kwargs)
+            return cast_floating(out, out_dtype)
 
         def root(self, *args, **kwargs):
             policy = self._jmp_policy_root
@@ -99,7 +108,12 @@ def _subclass(cls: type, role: str) -> type:
 
 
 def mixed_precision(
-    model: nnx.Module, policy: Policy, overrides: Mapping[Any, Policy] = NORMS_IN_FLOAT32
+    model: nnx.Module,
+    policy: Policy,
+    overrides: Mapping[Any, Policy] = NORMS_IN_FLOAT32,
+    *,
+    reduce_dtype: Any = jnp.float32,
+    accumulate_dtype: Any = None,
 ) -> nnx.Module:
     """Applies `policy` to an NNX model in place, and returns it.
 
@@ -123,6 +137,14 @@ def mixed_precision(
       overrides: `{module class | glob path pattern | compiled regex: Policy}`;
         paths join attribute names with "/" (e.g. "blocks/0/attn"). They
         also choose which layers run in float8. Default: `NORMS_IN_FLOAT32`.
+      reduce_dtype: float32 (default): under a half compute dtype, `Linear`,
+        `LinearGeneral` and `Conv` cast their kernel inside their matmul
+        (`jmp_policy.matmul`), so kernel and bias gradients are made, and
+        summed across devices, in float32, and `Embed` gathers float32 rows.
+        None: gradients in the compute dtype (half the bytes on the wire).
+      accumulate_dtype: e.g. float32: those matmuls return their sum in this
+        dtype (`preferred_element_type`), the bias is added in it, and the
+        layer's output stays in it. None (default): the compute dtype.
 
     Returns:
       `model`, changed in place: its class becomes a subclass that casts at
@@ -149,6 +171,8 @@ def mixed_precision(
         raise TypeError(f"Expected a flax.nnx.Module for `model`, got {type(model).__name__}.")
     policy = check_policy(policy)
     rules = Overrides(overrides, nnx.Module)
+    reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
+    accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)
     modules = {
         tuple(str(p) for p in path): node
         for path, node in nnx.iter_graph(model)
@@ -161,7 +185,16 @@ def mixed_precision(
         parent = max((p for p in resolved if path[: len(p)] == p), key=len, default=())
         own = rules.own_policy(path, module)
         resolved[path] = own or resolved.get(parent, policy)
+        _take_back_hooks(module)
         _apply_to_module(module, resolved[path], path)
+        out_dtype = (
+            None  # a float8 policy's layers are float8's (`_fp8_matmuls`)
+            if resolved[path].compute_dtype.itemsize == 1
+            else _weights_cast_inside(
+                module, resolved[path].compute_dtype, reduce_dtype, accumulate_dtype
+            )
+        )
+        object.__setattr__(module, "_jmp_policy_out_dtype", out_dtype)
         # The scope continues the nearest scoped ancestor's: containers without a
         # `__call__` (nnx.List, nnx.Dict) open none, so their names go here.
         above = max((p for p in scoped if path[: len(p)] == p), key=len)
@@ -272,6 +305,49 @@ def _fp8_matmuls(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> N
         setattr(module, "dot_general", _POLICY_FP8_DOT)  # noqa: B010
     elif not fp8 and current is _POLICY_FP8_DOT:
         setattr(module, "dot_general", lax.dot_general)  # noqa: B010
+
+
+def _weights_cast_inside(
+    module: nnx.Module, compute: Any, reduce_dtype: Any, accumulate: Any
+) -> Any:
+    """Flax's Linear, LinearGeneral and Conv multiply through `jmp_policy.matmul` (their kernel
+    cast inside the matmul, its gradient made and summed across devices in float32), and
+    Embed gathers float32 rows; returns the dtype their output is cast to, None for a layer
+    left as Flax wrote it."""
+    if compute == jnp.float32 or (reduce_dtype is None and accumulate is None):
+        return None
+    if not hasattr(module, "promote_dtype"):
+        return None
+    if isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
+        hook, op = "dot_general", matmul.dot_general(compute, accumulate)
+    elif isinstance(module, nnx.Conv):
+        hook, op = "conv_general_dilated", matmul.conv_general_dilated(compute, accumulate)
+    elif isinstance(module, nnx.Embed) and reduce_dtype is not None:
+        setattr(module, "promote_dtype", matmul.promote_for_lookup)  # noqa: B010
+        return compute
+    else:
+        return None
+    current = getattr(module, hook, None)
+    if current not in (None, getattr(lax, hook)) or getattr(module, f"{hook}_cls", None):
+        return None  # the user's own (or float8's)
+    setattr(module, hook, op)
+    if reduce_dtype is not None:
+        setattr(module, "promote_dtype", matmul.promote_inputs_only)  # noqa: B010
+    return accumulate or compute
+
+
+def _take_back_hooks(module: nnx.Module) -> None:
+    """Flax's defaults back where `_weights_cast_inside` set hooks, so calling
+    `mixed_precision` again with another policy starts from the model as written."""
+    for hook, default in (("dot_general", lax.dot_general),
+                          ("conv_general_dilated", lax.conv_general_dilated)):  # fmt: skip
+        if isinstance(getattr(module, hook, None), matmul.MixedOp):
+            setattr(module, hook, default)
+    if getattr(module, "promote_dtype", None) in (
+        matmul.promote_inputs_only,
+        matmul.promote_for_lookup,
+    ):
+        setattr(module, "promote_dtype", flax_promote_dtype)  # noqa: B010
 
 
 _ABSENT = object()

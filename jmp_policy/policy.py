@@ -64,7 +64,7 @@ def half_dtype() -> np.dtype:
     return np.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
 
 
-def _normalise_dtype(value: Any, argument: str) -> np.dtype:
+def normalise_dtype(value: Any, argument: str) -> np.dtype:
     try:
         dtype = jnp.dtype(value)
     except TypeError as e:
@@ -88,7 +88,7 @@ def is_floating_array(x: Any) -> bool:
     )
 
 
-def _cast_floating(tree: T, dtype: np.dtype) -> T:
+def cast_floating(tree: T, dtype: np.dtype) -> T:
     def cast(x):
         if isinstance(x, jax.ShapeDtypeStruct):
             if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
@@ -131,20 +131,20 @@ class Policy:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            value = _normalise_dtype(getattr(self, field.name), field.name)
+            value = normalise_dtype(getattr(self, field.name), field.name)
             object.__setattr__(self, field.name, value)
 
     def cast_to_param(self, tree: T) -> T:
         """Casts the floating leaves of `tree` to `param_dtype`."""
-        return _cast_floating(tree, self.param_dtype)
+        return cast_floating(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: T) -> T:
         """Casts the floating leaves of `tree` to `compute_dtype`."""
-        return _cast_floating(tree, self.compute_dtype)
+        return cast_floating(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: T) -> T:
         """Casts the floating leaves of `tree` to `output_dtype`."""
-        return _cast_floating(tree, self.output_dtype)
+        return cast_floating(tree, self.output_dtype)
 
     def with_param_dtype(self, param_dtype: DTypeLike) -> Policy:
         """Returns a copy of this policy with another `param_dtype`."""
@@ -365,9 +365,9 @@ def casting_policy(policy: Policy) -> Policy:
 
 def cast_to_full(tree: T) -> T:
     """Casts the floating leaves of `tree` to float32."""
-    return _cast_floating(tree, np.dtype(np.float32))
+    return cast_floating(tree, np.dtype(np.float32))
 
 
 def cast_to_half(tree: T) -> T:
     """Casts the floating leaves of `tree` to `half_dtype()`."""
-    return _cast_floating(tree, half_dtype())
+    return cast_floating(tree, half_dtype())

@@ -1,0 +1,256 @@
+"""Half-precision matmuls and convs whose weight gradients are made, and summed, in float32.
+
+Under data parallelism or FSDP, XLA sums a weight's gradient across devices
+where that gradient is made: at the output of the backward matmul that
+contracts the batch. When the weight was cast to float16 before the matmul,
+that output is float16, so the scaled gradients are summed in float16 (bits
+lost, and an overflow where no single device's gradient overflows) and only
+then cast to float32 (jax-ml/jax#27496).
+
+`dot_general(compute_dtype)` and `conv_general_dilated(compute_dtype)` return
+drop-ins for `lax.dot_general` and `lax.conv_general_dilated` that take each
+operand in its own dtype (a float32 master weight, a float16 activation), cast
+it to the compute dtype inside the op, and differentiate so that each
+operand's gradient comes out of its backward matmul in that operand's dtype
+(`preferred_element_type`): a float32 weight's gradient is accumulated in
+float32, crosses the wire in float32 and reaches the parameter without a
+float16 round trip, while activation gradients stay in half precision. The
+backward matmuls still take half-precision operands (tensor cores), and the
+weight is cast again in the backward pass rather than kept, so under FSDP or
+`nn.scan` one layer's half copy is live at a time.
+
+`accumulate_dtype` (e.g. float32) also makes the forward matmul return its sum
+in that dtype (`preferred_element_type`) instead of rounding it to the compute
+dtype, for the bias add and whatever follows (flax#4890).
+
+The Flax integrations (`linen.mixed_precision`, `nnx.mixed_precision`) and
+`autocast` use these for every Dense/Conv-like layer and every matmul on a
+float32 operand, unless given `reduce_dtype=None`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from jmp_policy._compat import DropVar, bind_params
+from jmp_policy.policy import normalise_dtype
+
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _floating(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _cast(x: Any, dtype: np.dtype) -> Any:
+    return lax.convert_element_type(x, dtype) if _floating(x) and x.dtype != dtype else x
+
+
+def _eval_with_output(closed: Any, out_dtype: np.dtype | None, *args: Any) -> list:
+    """Evaluates `closed` (a jaxpr of one backward matmul and its reshapes) with the matmul's
+    `preferred_element_type` set to `out_dtype`: JAX's own transpose rule, accumulated wider."""
+    jaxpr, env = closed.jaxpr, {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        params, invals = dict(eqn.params), list(map(read, eqn.invars))
+        if eqn.primitive.name in _MATMULS and out_dtype is not None:
+            params["preferred_element_type"] = out_dtype
+            invals = _runnable(invals, out_dtype)
+        subfuns, params = bind_params(eqn.primitive, params)
+        outs = eqn.primitive.bind(*subfuns, *invals, **params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, DropVar):
+                env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _runnable(operands: list, out_dtype: np.dtype | None) -> list:
+    """XLA:CPU compiles, but cannot run, a bfloat16 x bfloat16 -> float32 matmul: there the
+    operands are widened first (exactly: bfloat16 products are exact in float32), so the
+    result is the one a GPU computes. Other backends and dtypes are left as they are."""
+    if (
+        out_dtype == np.float32
+        and any(getattr(x, "dtype", None) == jnp.bfloat16 for x in operands)
+        and jax.default_backend() == "cpu"
+    ):
+        return [_cast(x, np.dtype(np.float32)) for x in operands]
+    return operands
+
+
+def mixed(op: Callable, compute: np.dtype, accumulate: np.dtype | None, lhs: Any, rhs: Any):
+    """`op(lhs, rhs, preferred_element_type)` on the operands cast to `compute`, with each
+    operand's gradient made by its backward matmul in that operand's own dtype (a float32
+    weight's in float32; a half-precision activation's in half precision)."""
+
+    @jax.custom_vjp
+    def in_compute(lhs, rhs):
+        operands = _runnable([_cast(lhs, compute), _cast(rhs, compute)], accumulate)
+        return op(*operands, accumulate)
+
+    def forward(lhs, rhs):
+        # The operands as they came: a float32 weight is cast again in the backward
+        # pass, so no half copy of it is kept between the passes.
+        return in_compute(lhs, rhs), (lhs, rhs)
+
+    def backward(residuals, g):
+        lhs, rhs = residuals
+        lhs_c, rhs_c, g_c = _cast(lhs, compute), _cast(rhs, compute), _cast(g, compute)
+        grads = []
+        for i, operand in enumerate((lhs, rhs)):
+            if not _floating(operand):
+                grads.append(np.zeros(operand.shape, jax.dtypes.float0))
+                continue
+
+            def one_side(x, i=i):
+                return op(x, rhs_c, None) if i == 0 else op(lhs_c, x, None)
+
+            # JAX's own transpose rule for this operand, traced, then evaluated with
+            # its matmul accumulating into the operand's dtype.
+            transpose = jax.linear_transpose(one_side, (lhs_c, rhs_c)[i])
+            wider = operand.dtype if operand.dtype != compute else None
+            (grad,) = _eval_with_output(jax.make_jaxpr(transpose)(g_c), wider, g_c)
+            grads.append(_cast(grad, operand.dtype))
+        return tuple(grads)
+
+    in_compute.defvjp(forward, backward)
+    return in_compute(lhs, rhs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mixed:
+    compute_dtype: np.dtype
+    accumulate_dtype: np.dtype | None
+
+    def _accumulate(self, preferred_element_type):
+        return self.accumulate_dtype if preferred_element_type is None else preferred_element_type
+
+
+MixedOp = _Mixed
+"""The base class of `MixedDotGeneral` and `MixedConvGeneralDilated`."""
+
+
+class MixedDotGeneral(_Mixed):
+    """A drop-in for `lax.dot_general` (and Flax's `dot_general=`): see the module docstring."""
+
+    def __call__(
+        self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw
+    ):
+        def op(lhs, rhs, preferred):
+            return lax.dot_general(
+                lhs, rhs, dimension_numbers, precision, preferred_element_type=preferred, **kw
+            )
+
+        accumulate = self._accumulate(preferred_element_type)
+        return mixed(op, self.compute_dtype, accumulate, lhs, rhs)
+
+
+class MixedConvGeneralDilated(_Mixed):
+    """A drop-in for `lax.conv_general_dilated` (and Flax's `conv_general_dilated=`)."""
+
+    def __call__(self, lhs, rhs, *args, preferred_element_type=None, **kwargs):
+        def op(lhs, rhs, preferred):
+            return lax.conv_general_dilated(
+                lhs, rhs, *args, preferred_element_type=preferred, **kwargs
+            )
+
+        accumulate = self._accumulate(preferred_element_type)
+        return mixed(op, self.compute_dtype, accumulate, lhs, rhs)
+
+
+def dot_general(compute_dtype: Any, accumulate_dtype: Any = None) -> MixedDotGeneral:
+    """`lax.dot_general` in `compute_dtype`, each operand's gradient in that operand's dtype.
+
+    Args:
+      compute_dtype: the dtype both operands are cast to inside the op (float16, bfloat16).
+      accumulate_dtype: the dtype of the forward result (`preferred_element_type`);
+        None: the compute dtype.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> dot = jmp.matmul.dot_general(jnp.float16)
+      >>> x, w = jnp.ones((4, 3), jnp.float16), jnp.ones((3, 2), jnp.float32)
+      >>> dot(x, w, (((1,), (0,)), ((), ()))).dtype
+      dtype('float16')
+      >>> grad = jax.grad(lambda w: dot(x, w, (((1,), (0,)), ((), ()))).sum())(w)
+      >>> grad.dtype, float(grad[0, 0])
+      (dtype('float32'), 4.0)
+    """
+    return MixedDotGeneral(_dtype(compute_dtype, "compute_dtype"), _optional(accumulate_dtype))
+
+
+def conv_general_dilated(
+    compute_dtype: Any, accumulate_dtype: Any = None
+) -> MixedConvGeneralDilated:
+    """`lax.conv_general_dilated` in `compute_dtype`, each operand's gradient in its own dtype."""
+    return MixedConvGeneralDilated(
+        _dtype(compute_dtype, "compute_dtype"), _optional(accumulate_dtype)
+    )
+
+
+def _dtype(value: Any, argument: str) -> np.dtype:
+    return normalise_dtype(value, argument)
+
+
+def _optional(value: Any) -> np.dtype | None:
+    return None if value is None else normalise_dtype(value, "accumulate_dtype")
+
+
+def _values(args: tuple) -> list:
+    # Linen's layers call `promote_dtype(a, b, c, dtype=...)`, NNX's `promote_dtype((a, b, c))`.
+    return list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else list(args)
+
+
+def promote_inputs_only(*args: Any, dtype: Any = None, inexact: bool = True) -> list:
+    """A Flax `promote_dtype` for a layer whose matmul casts its own weights (a
+    `MixedDotGeneral`/`MixedConvGeneralDilated`): the inputs (the first value) go to
+    `dtype`; the kernel and bias stay as stored, so their gradients stay float32."""
+    del inexact
+    values = _values(args)
+    if dtype is not None and values and values[0] is not None:
+        values[0] = jnp.asarray(values[0], dtype)
+    return values
+
+
+def promote_for_lookup(*args: Any, dtype: Any = None, inexact: bool = True) -> list:
+    """A Flax `promote_dtype` for `Embed`: the table alone (a lookup) stays as stored, so
+    the rows are gathered in float32 and their gradient is scattered in float32 (the
+    caller casts the rows); with a query (`attend`), everything is cast as Flax does."""
+    values = _values(args)
+    if len(values) == 1:
+        return values
+    from flax.linen.dtypes import promote_dtype
+
+    return list(promote_dtype(*values, dtype=dtype, inexact=inexact))
+
+
+def check_reduce_dtype(value: Any) -> np.dtype | None:
+    """`reduce_dtype` of the integrations: None or float32."""
+    if value is None:
+        return None
+    dtype = normalise_dtype(value, "reduce_dtype")
+    if dtype != np.float32:
+        raise ValueError(
+            "Expected float32 (weight gradients made and summed in float32) or None (in the "
+            f"compute dtype) for `reduce_dtype`, got {dtype.name}."
+        )
+    return dtype
+
+
+def check_accumulate_dtype(value: Any) -> np.dtype | None:
+    """`accumulate_dtype` of the integrations: None or a floating dtype."""
+    return _optional(value)
