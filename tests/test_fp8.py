@@ -442,7 +442,10 @@ def test_linen_mixed_float8_puts_the_dense_layers_in_float8():
     variables = mixed.init(jax.random.key(0), x)
     assert {a.dtype for a in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
     # The same model with Fp8DotGeneral written in by hand, under mixed_bfloat16.
-    by_hand = jmp.linen.mixed_precision(_linen_model(True), jmp.get_policy("mixed_bfloat16"))
+    # (A float8 policy leaves its layers' gradients to float8's dot: no jmp_policy.matmul.)
+    by_hand = jmp.linen.mixed_precision(
+        _linen_model(True), jmp.get_policy("mixed_bfloat16"), reduce_dtype=None
+    )
 
     def loss(apply, params):
         return jnp.mean(apply({"params": params}, x) ** 2)
@@ -524,7 +527,9 @@ def test_nnx_mixed_float8_puts_the_linear_layers_in_float8():
 
     x = _values(62, (16, 32), 3.0)
     model = jmp.nnx.mixed_precision(Model(), "mixed_float8")
-    by_hand = jmp.nnx.mixed_precision(Model(Fp8DotGeneral()), "mixed_bfloat16")
+    by_hand = jmp.nnx.mixed_precision(
+        Model(Fp8DotGeneral()), "mixed_bfloat16", reduce_dtype=None
+    )  # a float8 policy leaves its layers' gradients to float8's dot
     assert model.up.kernel[...].dtype == jnp.float32 and model.up.dtype == jnp.bfloat16
     assert isinstance(model.up.dot_general, Fp8DotGeneral)
     assert model.head.dot_general is jax.lax.dot_general  # left out by name
@@ -537,9 +542,12 @@ def test_nnx_mixed_float8_puts_the_linear_layers_in_float8():
     ours, theirs = value_and_grad(model), value_and_grad(by_hand)
     jax.tree.map(np.testing.assert_array_equal, ours, theirs)
     assert _dot_dtypes(lambda x: model(x), x) == {"float8_e4m3fn": 2, "bfloat16": 1}
-    # Moved back to bfloat16, the layers get lax.dot_general again.
-    jmp.nnx.mixed_precision(model, "mixed_bfloat16")
+    # Moved back to bfloat16, the layers get lax.dot_general again (or, by default,
+    # jmp_policy.matmul's, which keeps weight gradients in float32).
+    jmp.nnx.mixed_precision(model, "mixed_bfloat16", reduce_dtype=None)
     assert model.up.dot_general is jax.lax.dot_general
+    jmp.nnx.mixed_precision(model, "mixed_bfloat16")
+    assert isinstance(model.up.dot_general, jmp.matmul.MixedDotGeneral)
     assert _dot_dtypes(lambda x: model(x), x) == {"bfloat16": 3}
 
 
