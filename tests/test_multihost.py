@@ -63,10 +63,10 @@ def test_shard_map_with_axis_name_matches_spmd(runs):
     for r in mapped:
         assert r["skipped"] == spmd["skipped"] and r["scales"] == spmd["scales"]
         assert r["checksum"] == mapped[0]["checksum"]
-    # The same math; the all-reduce runs in another place (float16 partial sums
-    # under SPMD, float32 after the cast here), so 30 float16 Adam steps agree to
-    # rounding (seen: 6 of 1,377 values off by up to 0.0032); a step applied
-    # differently would move them by O(0.1).
+    # The same math, summed in another order (SPMD sums each weight gradient at its
+    # backward matmul, here pmean sums the finished gradients; both in float32), so 30
+    # float16 Adam steps agree to rounding; a step applied differently would move them
+    # by O(0.1).
     np.testing.assert_allclose(mapped[0]["params"], spmd["params"], rtol=1e-2, atol=1e-2)
 
 
