@@ -613,6 +613,26 @@ def next_state(state: Fp8DotState, state_grads: Fp8DotState, recipe: DelayedScal
     return jax.tree.map(fold, state, state_grads, is_leaf=is_state)
 
 
+def combine_microbatches(*states: Any) -> Any:
+    """One step's state from its microbatches': every amax the largest any microbatch saw.
+
+    Under gradient accumulation each microbatch's `fp8_dot_general_delayed` returns a
+    state advanced from the same one (the same scales and history, its own amax at
+    index 0), and `jax.grad` returns its own output-gradient amax (`grad_amax`). Summing
+    those, or averaging them as `optax.MultiSteps` averages gradients, would record a
+    wrong amax (an average underestimates it, and the next scale overflows: marin#7659).
+    Combine the states, and separately the state gradients, with this (an elementwise
+    max; pairwise, so it also serves as a `lax.scan` carry), then call `next_state` once:
+
+        state = next_state(combine_microbatches(*states), combine_microbatches(*grads), recipe)
+
+    Works on `Fp8DotState`s, stacked ones, or any pytree of them of one structure.
+    """
+    if not states:
+        raise ValueError("Expected one or more states for `states`, got none.")
+    return functools.reduce(lambda a, b: jax.tree.map(jnp.maximum, a, b), states)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _delayed_dot(lhs, rhs, lhs_scale, rhs_scale, grad_meta, grad_amax, dimension_numbers, static):
     return _delayed_dot_fwd(

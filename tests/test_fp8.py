@@ -15,6 +15,7 @@ from jmp_policy.fp8 import (
     E5M2,
     DelayedScaling,
     Fp8DotGeneral,
+    combine_microbatches,
     compute_scale,
     fp8_dot_general,
     fp8_dot_general_delayed,
@@ -659,3 +660,36 @@ def test_the_logits_head_and_embedding_stay_in_bfloat16_by_default():
         jmp.autocast(model.apply, "mixed_float8", fp8_exclude=("head(",))
     with pytest.raises(TypeError, match="`fp8_exclude`"):
         jmp.autocast(model.apply, "mixed_float8", fp8_exclude="head")
+
+
+def test_microbatches_record_the_largest_amax_not_the_last_or_the_mean():
+    # Gradient accumulation: three microbatches whose magnitudes differ by 100x each way.
+    recipe = DelayedScaling(history_length=4)
+    state = recipe.init()
+    w = _values(70, (32, 32), 0.5)
+    batches = [_values(71 + i, (8, 32), scale) for i, scale in enumerate((1.0, 100.0, 0.01))]
+
+    def loss_fn(state, x):
+        y, state = fp8_dot_general_delayed(x, w, MATMUL, state, recipe)
+        return jnp.mean(y.astype(jnp.float32) ** 2), state
+
+    step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    results = [step(state, x) for x in batches]
+    states = [s for (_, s), _ in results]
+    grads = [g for _, g in results]
+    merged = next_state(combine_microbatches(*states), combine_microbatches(*grads), recipe)
+    lhs_amaxes = [float(s.lhs.amax_history[0]) for s in states]
+    grad_amaxes = [float(g.grad_amax) for g in grads]
+    print(f"input amax per microbatch {lhs_amaxes}, output-gradient amax {grad_amaxes}")
+    assert max(lhs_amaxes) / min(lhs_amaxes) > 1e3
+    # The largest of the three is what the step records, for the input and the gradient.
+    assert float(merged.lhs.amax_history[0]) == max(lhs_amaxes)
+    assert float(merged.grad.amax_history[0]) == max(grad_amaxes)
+    # Not the last microbatch's (100x smaller) nor the mean (what averaging would give).
+    assert float(merged.grad.amax_history[0]) > 3 * float(np.mean(grad_amaxes)) / 2
+    assert float(merged.lhs.amax_history[0]) > 1e3 * lhs_amaxes[-1]
+    # The rest of the history and the scales are the ones every microbatch started from.
+    np.testing.assert_array_equal(merged.lhs.amax_history[1:], states[0].lhs.amax_history[1:])
+    assert float(merged.rhs.amax_history[0]) == float(states[0].rhs.amax_history[0])
+    with pytest.raises(ValueError, match="`states`"):
+        combine_microbatches()
