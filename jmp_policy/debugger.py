@@ -295,7 +295,8 @@ def _layer_and_direction(name_stack: str) -> tuple[str, str]:
         part = _WRAPPERS.sub("", part).rstrip(")")
         # Keep module names (Flax's); drop einsum specs, op names XLA added and
         # the float32-override marker of the Flax integrations.
-        if part and part != FLOAT32_ISLAND and re.fullmatch(r"[A-Za-z_][\w.\-]*", part):
+        # NNX list indices (`layers/0/attn`) are path parts too.
+        if part and part != FLOAT32_ISLAND and re.fullmatch(r"[A-Za-z_][\w.\-]*|\d+", part):
             parts.append(part)
     return ("/".join(parts) or TOP_LEVEL), ("backward" if backward else "forward")
 
@@ -312,8 +313,9 @@ def _source(eqn: Any) -> str:
 
 
 # A masking constant, not data: what models write where attention may not look (float32's
-# lowest value as Flax does, -2.38e38, -1e30, -1e9 * 1e30...) is 1e30 or more in magnitude, or
-# exactly its dtype's largest value (float16's -65504). Left out of every statistic and op error.
+# lowest value as Flax does, -2.38e38, -1e30, -1e9 * 1e30, -inf...) is 1e30 or more in
+# magnitude, or exactly its dtype's largest value (float16's -65504). Left out of every
+# statistic and op error.
 _MASK_MAGNITUDE = 1e30
 
 
@@ -380,7 +382,8 @@ class _Accumulator:
         finite = np.isfinite(x)
         # A masking constant (Flax's `jnp.finfo(jnp.float32).min` for -inf, a model's -2.38e38)
         # is not data: it would count as an overflow that compute-dtype masking never makes.
-        masked = finite & _masks(x, value.dtype)
+        # An infinity the model wrote (`where(mask, x, -inf)`) is a mask too; NaN is not.
+        masked = (finite & _masks(x, value.dtype)) | np.isinf(x)
         xf = x[finite & ~masked]
         nonzero = xf[xf > 0]
         scaled = nonzero * (self.loss_scale if key[1] == "backward" else 1.0)
@@ -393,7 +396,7 @@ class _Accumulator:
         s[3] += int((scaled < self.tiny).sum())
         s[4] += int((scaled > self.max).sum())
         s[5] += int(nonzero.size)
-        s[6] += int((~finite).sum())
+        s[6] += int((~finite & ~masked).sum())
 
     def layers(self) -> tuple[LayerStats, ...]:
         return _layer_stats(self.stats, self.max, self.loss_scale)
@@ -427,8 +430,11 @@ def _layer_stats(raw: dict, largest: float, loss_scale: float) -> tuple[LayerSta
 
 
 def _all_finite(values: Sequence[Any]) -> bool:
+    # Python floats too: a literal -inf (a mask the model wrote) is an inf passed on, not made.
     return all(
-        bool(np.isfinite(np.asarray(v, np.float64)).all()) for v in values if is_floating_array(v)
+        bool(np.isfinite(np.asarray(v, np.float64)).all())
+        for v in values
+        if is_floating_array(v) or isinstance(v, float)
     )
 
 

@@ -343,7 +343,7 @@ def test_advice_on_a_transformer_keeps_every_matmul_in_half_precision():
     assert share == 1.0
 
 
-@pytest.mark.parametrize("fill", [-2.38e38, -1e30])
+@pytest.mark.parametrize("fill", [-2.38e38, -1e30, -math.inf])
 def test_a_mask_of_any_large_constant_is_left_out(fill):
     # Models choose their own masking constant (an NNX transformer wrote -2.38e38, not
     # float32's lowest value); every one of 1e30 or more is a mask, and so are the values the
@@ -360,6 +360,42 @@ def test_a_mask_of_any_large_constant_is_left_out(fill):
     forward = [s for s in report.layers if s.direction == "forward"]
     assert forward and all(s.overflow == 0 for s in forward)
     assert all(math.isfinite(e.error) for e in report.op_errors), report.op_errors
+    assert report.origin is None  # a mask (even -inf) is not an inf the model made
     # The ops that carry the mask are not sent to float32 for it (a sum may be, on its own merits).
     advised = {p for ps in report.advice()["islands"].values() for p in ps}
     assert not advised & {"select_n", "sub", "mul", "div", "broadcast_in_dim"}, advised
+
+
+def test_nnx_layers_are_named_by_attribute_path_in_the_functional_pattern():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.LayerNorm(16, rngs=rngs)
+            self.mlp = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.mlp(self.norm(x))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([Block(rngs) for _ in range(2)])
+            self.head = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    # The float32 policy changes no dtype; it gives every submodule its attribute path.
+    model = jmp.nnx.mixed_precision(Model(nnx.Rngs(0)), "float32")
+    graphdef, state = nnx.split(model)
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def loss(state, x):
+        return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)  # the usual functional pattern
+
+    report = jmp.debug_precision(loss, state, x, dtype="float16")
+    layers = {s.layer for s in report.layers}
+    print(sorted(layers))
+    assert {"layers/0/norm", "layers/0/mlp", "layers/1/norm", "layers/1/mlp", "head"} <= layers
