@@ -222,6 +222,8 @@ def measure(
                 }
                 if timed:
                     row["step_ms"] = _time(compiled, args)
+                    if integration == "float32":  # A/A: the same program timed again
+                        row["step_ms_again"] = _time(compiled, args)
                 rows.append(row)
     return rows
 
@@ -271,6 +273,37 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def fsdp_table(rows) -> str:
+    """The FSDP step's temp memory per device and step time against plain float32 FSDP and
+    against `reduce_dtype=None` (gradients in the compute dtype, as before float32 sums)."""
+    fsdp = {
+        (r["integration"], r["policy"], r["reduce_dtype"]): r for r in rows if r["layout"] == "fsdp"
+    }
+    base = fsdp.get(("float32", "float32", "float32"))
+    if base is None or "step_ms" not in base:
+        return ""
+    lines = [
+        "",
+        "FSDP step, temp memory per device and step time (ratios; step times on forced CPU "
+        "devices that share the machine's cores: plain float32 timed again gave "
+        f"{base['step_ms_again'] / base['step_ms']:.2f}x, their noise)",
+        "",
+        "| integration | policy | temp vs float32 | temp vs reduce_dtype=None "
+        "| step vs float32 | step vs reduce_dtype=None |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (integration, policy, reduce_dtype), r in fsdp.items():
+        if reduce_dtype != "float32" or integration in ("float32",):
+            continue
+        lean = fsdp.get((integration, policy, None), r)
+        lines.append(
+            f"| {integration} | {policy} | {r['temp_bytes'] / base['temp_bytes']:.2f}x | "
+            f"{r['temp_bytes'] / lean['temp_bytes']:.2f}x | "
+            f"{r['step_ms'] / base['step_ms']:.2f}x | {r['step_ms'] / lean['step_ms']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write the rows to this file (-: stdout's first line)")
@@ -289,7 +322,7 @@ def main(argv=None):
         tuple(args.integrations.split(",")),
         timed=args.time,
     )
-    text = table(rows)
+    text = table(rows) + ("\n" + fsdp_table(rows) if args.time else "")
     if args.json == "-":  # the rows on the first line of stdout, then the table
         print(json.dumps(rows))
     elif args.json:

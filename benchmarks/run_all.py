@@ -14,6 +14,8 @@ import importlib.util
 import io
 import os
 import pathlib
+import subprocess
+import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -30,12 +32,54 @@ def quietly(fn, *args):
         return fn(*args)
 
 
+def _markdown(section: str) -> str:
+    lines = section.splitlines()
+    return f"## {lines[0]}\n\n" + "\n".join(lines[1:]).strip()
+
+
+def _replace_section(path: pathlib.Path, section: str) -> str:
+    """`path` with the section of the same title replaced by `section` (inserted before the
+    GPU section if absent), and a header line saying when it was measured alone."""
+    title = section.splitlines()[0].split(":")[0]
+    parts = path.read_text().rstrip("\n").split("\n\n## ")
+    header, sections = parts[0], ["## " + p for p in parts[1:]]
+    kept = [s for s in sections if not s.startswith(title)]
+    at = next((i for i, s in enumerate(kept) if s.startswith("## GPU")), len(kept))
+    kept.insert(at, section)
+    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    note = f"The collectives section was re-run alone (`--only collectives`) on {when}."
+    lines = [line for line in header.splitlines() if not line.startswith("The collectives section")]
+    text = "\n".join([*lines, note]) + "\n\n" + "\n\n".join(kept) + "\n"
+    path.write_text(text)
+    print(f"wrote {path}")
+    return text
+
+
+def collectives(quick: bool) -> str:
+    """`bench_collectives.py` on 4 forced CPU devices, in its own process (the device count is
+    fixed when JAX starts). Quick: FSDP under Linen only, untimed."""
+    flags = ["--layouts", "fsdp", "--integrations", "linen", "--reduce-dtypes", "float32"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    out = subprocess.run(
+        [sys.executable, str(HERE / "bench_collectives.py"), *(flags if quick else ["--time"])],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    return out.stdout.strip()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument("--out", default=str(HERE.parent / "BENCHMARKS.md"))
+    parser.add_argument(
+        "--only",
+        choices=["collectives"],
+        help="run this section alone and replace it in --out (the others stay as measured)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
+    if args.only:
+        return _replace_section(pathlib.Path(args.out), _markdown(collectives(quick)))
 
     import jax
 
@@ -66,6 +110,8 @@ def main(argv=None):
     lp_args = ["--plot", str(lp_png), "--long-plot", str(long_png)] + (["--quick"] if quick else [])
     lp_text, _ = quietly(load("bench_low_precision").main, lp_args)
     sections.append(lp_text)
+    print("collectives (4 forced CPU devices) ...", flush=True)
+    sections.append(collectives(quick))
     if jax.default_backend() == "gpu" and not quick:
         print("GPU transformer ...", flush=True)
         sections.append(load("gpu_transformer").main([]))
@@ -94,14 +140,7 @@ def main(argv=None):
             "XLA's backend optimisation off. These figures show that the suite runs; they "
             "measure nothing."
         )
-    text = (
-        "\n".join(header)
-        + "\n\n"
-        + "\n\n".join(
-            f"## {s.splitlines()[0]}\n\n" + "\n".join(s.splitlines()[1:]).strip() for s in sections
-        )
-        + "\n"
-    )
+    text = "\n".join(header) + "\n\n" + "\n\n".join(map(_markdown, sections)) + "\n"
     pathlib.Path(args.out).write_text(text)
     print(f"wrote {args.out}")
     return text

@@ -109,10 +109,13 @@ def test_run_all_benchmarks_quick(tmp_path):
     assert (tmp_path / "B.md").read_text() == text
     assert "Quick mode: tiny shapes" in text  # its figures are labelled as measuring nothing
     for heading in ("all_finite", "Train step on every model shape", "Compile time against",
-                    "autocast vs hand-cast", "Low-precision parameters", "GPU"):  # fmt: skip
+                    "autocast vs hand-cast", "Low-precision parameters", "GPU",
+                    "Collectives per step"):  # fmt: skip
         assert f"## {heading}" in text
     assert "| jmp_policy.all_finite, pytree |" in text and "| jmp_policy.autocast |" in text
     assert (tmp_path / "compile_vs_leaves.png").read_bytes()[:4] == b"\x89PNG"
+    # 4 forced devices, FSDP: kernels gathered in float16, every gradient summed in float32.
+    assert "| fsdp | linen | mixed_float16 | float32 | all-gather: f16 x9; all-reduce: f32" in text
     assert (tmp_path / "low_precision.png").read_bytes()[:4] == b"\x89PNG"
     # The quick mode's first table trains the long run's digits MLP (seed 0), 4 steps.
     low = [line.split(" | ") for line in text.splitlines() if "| digits MLP, seed 0 |" in line]
