@@ -121,7 +121,8 @@ def mixed(op: Callable, compute: np.dtype, accumulate: np.dtype | None, lhs: Any
             # JAX's own transpose rule for this operand, traced, then evaluated with
             # its matmul accumulating into the operand's dtype.
             transpose = jax.linear_transpose(one_side, (lhs_c, rhs_c)[i])
-            wider = operand.dtype if operand.dtype != compute else None
+            wide = jnp.finfo(operand.dtype).bits > jnp.finfo(compute).bits
+            wider = operand.dtype if wide else None
             (grad,) = _eval_with_output(jax.make_jaxpr(transpose)(g_c), wider, g_c)
             grads.append(_cast(grad, operand.dtype))
         return tuple(grads)
@@ -190,7 +191,9 @@ def dot_general(compute_dtype: Any, accumulate_dtype: Any = None) -> MixedDotGen
       >>> grad.dtype, float(grad[0, 0])
       (dtype('float32'), 4.0)
     """
-    return MixedDotGeneral(_dtype(compute_dtype, "compute_dtype"), _optional(accumulate_dtype))
+    return MixedDotGeneral(
+        normalise_dtype(compute_dtype, "compute_dtype"), _optional(accumulate_dtype)
+    )
 
 
 def conv_general_dilated(
@@ -198,12 +201,8 @@ def conv_general_dilated(
 ) -> MixedConvGeneralDilated:
     """`lax.conv_general_dilated` in `compute_dtype`, each operand's gradient in its own dtype."""
     return MixedConvGeneralDilated(
-        _dtype(compute_dtype, "compute_dtype"), _optional(accumulate_dtype)
+        normalise_dtype(compute_dtype, "compute_dtype"), _optional(accumulate_dtype)
     )
-
-
-def _dtype(value: Any, argument: str) -> np.dtype:
-    return normalise_dtype(value, argument)
 
 
 def _optional(value: Any) -> np.dtype | None:
