@@ -172,6 +172,18 @@ class MixedConvGeneralDilated(_Mixed):
         return mixed(op, self.compute_dtype, accumulate, lhs, rhs)
 
 
+class MixedEinsum(_Mixed):
+    """A drop-in for `jnp.einsum` (NNX `Einsum`'s `einsum_op=`) whose contractions run
+    through `MixedDotGeneral`."""
+
+    def __call__(self, *operands, preferred_element_type=None, **kwargs):
+        # The result's dtype is said explicitly: jnp.einsum would otherwise ask for the
+        # operands' promoted one (float32, the kernel's).
+        out = preferred_element_type or self.accumulate_dtype or self.compute_dtype
+        dot = MixedDotGeneral(self.compute_dtype, self.accumulate_dtype)
+        return jnp.einsum(*operands, preferred_element_type=out, _dot_general=dot, **kwargs)
+
+
 def dot_general(compute_dtype: Any, accumulate_dtype: Any = None) -> MixedDotGeneral:
     """`lax.dot_general` in `compute_dtype`, each operand's gradient in that operand's dtype.
 

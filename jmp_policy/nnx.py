@@ -138,7 +138,7 @@ def mixed_precision(
         paths join attribute names with "/" (e.g. "blocks/0/attn"). They
         also choose which layers run in float8. Default: `NORMS_IN_FLOAT32`.
       reduce_dtype: float32 (default): under a half compute dtype, `Linear`,
-        `LinearGeneral` and `Conv` cast their kernel inside their matmul
+        `LinearGeneral`, `Conv` and `Einsum` cast their kernel inside their matmul
         (`jmp_policy.matmul`), so kernel and bias gradients are made, and
         summed across devices, in float32, and `Embed` gathers float32 rows.
         None: gradients in the compute dtype (half the bytes on the wire).
@@ -310,10 +310,10 @@ def _fp8_matmuls(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> N
 def _weights_cast_inside(
     module: nnx.Module, compute: Any, reduce_dtype: Any, accumulate: Any
 ) -> Any:
-    """Flax's Linear, LinearGeneral and Conv multiply through `jmp_policy.matmul` (their kernel
-    cast inside the matmul, its gradient made and summed across devices in float32), and
-    Embed gathers float32 rows; returns the dtype their output is cast to, None for a layer
-    left as Flax wrote it."""
+    """Flax's Linear, LinearGeneral, Conv and Einsum multiply through `jmp_policy.matmul`
+    (their kernel cast inside the matmul, its gradient made and summed across devices in
+    float32), and Embed gathers float32 rows; returns the dtype their output is cast to,
+    None for a layer left as Flax wrote it."""
     if compute == jnp.float32 or (reduce_dtype is None and accumulate is None):
         return None
     if not hasattr(module, "promote_dtype"):
@@ -322,13 +322,18 @@ def _weights_cast_inside(
         hook, op = "dot_general", matmul.dot_general(compute, accumulate)
     elif isinstance(module, nnx.Conv):
         hook, op = "conv_general_dilated", matmul.conv_general_dilated(compute, accumulate)
+    elif isinstance(module, nnx.Einsum):
+        hook, op = "einsum_op", matmul.MixedEinsum(compute, accumulate)
     elif isinstance(module, nnx.Embed) and reduce_dtype is not None:
         setattr(module, "promote_dtype", matmul.promote_for_lookup)  # noqa: B010
         return compute
     else:
         return None
-    current = getattr(module, hook, None)
-    if current not in (None, getattr(lax, hook)) or getattr(module, f"{hook}_cls", None):
+    if not hasattr(module, hook):
+        return None  # a Flax release whose layer takes no such hook
+    current = getattr(module, hook)
+    default = jnp.einsum if hook == "einsum_op" else getattr(lax, hook)
+    if current not in (None, default) or getattr(module, f"{hook}_cls", None):
         return None  # the user's own (or float8's)
     setattr(module, hook, op)
     if reduce_dtype is not None:
@@ -340,7 +345,8 @@ def _take_back_hooks(module: nnx.Module) -> None:
     """Flax's defaults back where `_weights_cast_inside` set hooks, so calling
     `mixed_precision` again with another policy starts from the model as written."""
     for hook, default in (("dot_general", lax.dot_general),
-                          ("conv_general_dilated", lax.conv_general_dilated)):  # fmt: skip
+                          ("conv_general_dilated", lax.conv_general_dilated),
+                          ("einsum_op", jnp.einsum)):  # fmt: skip
         if isinstance(getattr(module, hook, None), matmul.MixedOp):
             setattr(module, hook, default)
     if getattr(module, "promote_dtype", None) in (

@@ -280,3 +280,27 @@ def test_gradients_cross_the_wire_in_float32_on_8_devices():
         compute = {"mixed_float16": "f16", "mixed_bfloat16": "bf16"}[row["policy"]]
         expected = {compute} if row["layout"] == "fsdp" else set()
         assert kernels == expected, (row["layout"], row["integration"])
+
+
+def test_nnx_einsum_weight_gradient_is_made_in_float32():
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.proj = nnx.Einsum("btd,dnh->btnh", (16, 2, 8), (2, 8), rngs=rngs)
+
+        def __call__(self, x):
+            return self.proj(x)
+
+    model = jmp.nnx.mixed_precision(Model(nnx.Rngs(0)), "mixed_float16")
+    graphdef, state = nnx.split(model)
+    x = _values(9, (2, 3, 16))
+
+    def loss(state, x):
+        return nnx.merge(graphdef, state)(x).astype(jnp.float32).sum()
+
+    dots = _matmul_outputs(lambda s, x: jax.grad(loss)(s, x), state, x)
+    print(dots)
+    # Forward and activation gradient in float16; the kernel's gradient comes out in float32.
+    assert [str(out) for out, _ in dots] == ["float16", "float16", "float32"]
+    assert {str(lhs) for _, lhs in dots} == {"float16"}
+    grads = jax.jit(jax.grad(loss))(state, x)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
