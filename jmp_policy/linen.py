@@ -315,21 +315,18 @@ def _weights_cast_inside(
     fields = getattr(module, "__dataclass_fields__", {})
     if "promote_dtype" not in fields:
         return None
-    if isinstance(module, (nn.Dense, nn.DenseGeneral)):
-        hook, op = "dot_general", matmul.dot_general(compute, accumulate)
-    elif isinstance(module, nn.Conv):
-        hook, op = "conv_general_dilated", matmul.conv_general_dilated(compute, accumulate)
-    elif isinstance(module, nn.Embed) and method == "__call__" and reduce_dtype is not None:
+    if isinstance(module, nn.Embed) and method == "__call__" and reduce_dtype is not None:
         object.__setattr__(module, "promote_dtype", matmul.promote_for_lookup)
         return compute
+    if isinstance(module, (nn.Dense, nn.DenseGeneral)):
+        hook = "dot_general"
+    elif isinstance(module, nn.Conv):
+        hook = "conv_general_dilated"
     else:
         return None
-    if getattr(module, hook) is not None or getattr(module, f"{hook}_cls", None) is not None:
-        return None  # the user's own (or float8's)
-    object.__setattr__(module, hook, op)
-    if reduce_dtype is not None:
-        object.__setattr__(module, "promote_dtype", matmul.promote_inputs_only)
-    return accumulate or compute
+    return matmul.take_over(
+        module, hook, compute, reduce_dtype, accumulate, set_attr=object.__setattr__
+    )
 
 
 def _weights_in_value_dtype(subscripts, weights, value, **kwargs):

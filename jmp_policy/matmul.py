@@ -221,6 +221,44 @@ def _optional(value: Any) -> np.dtype | None:
     return None if value is None else normalise_dtype(value, "accumulate_dtype")
 
 
+# The hooks of Flax's layers this module fills (Linen and NNX), with Flax's defaults.
+FLAX_DEFAULTS: dict[str, Callable] = {
+    "dot_general": lax.dot_general,
+    "conv_general_dilated": lax.conv_general_dilated,
+    "einsum_op": jnp.einsum,
+}
+_OPS: dict[str, type] = {
+    "dot_general": MixedDotGeneral,
+    "conv_general_dilated": MixedConvGeneralDilated,
+    "einsum_op": MixedEinsum,
+}
+
+
+def take_over(
+    module: Any,
+    hook: str,
+    compute: np.dtype,
+    reduce_dtype: Any,
+    accumulate: Any,
+    set_attr: Callable = setattr,
+) -> np.dtype | None:
+    """Gives a Flax layer (Linen or NNX) this module's op for `hook` ("dot_general",
+    "conv_general_dilated" or "einsum_op") and, with a `reduce_dtype`, a `promote_dtype`
+    that leaves its weights as stored; returns the dtype its output is cast to, or None
+    where the layer is left as it is (no such hook in this Flax release, or the user's
+    own op or float8's there)."""
+    if not hasattr(module, hook):
+        return None
+    if getattr(module, hook) not in (None, FLAX_DEFAULTS[hook]) or (
+        getattr(module, f"{hook}_cls", None) is not None
+    ):
+        return None
+    set_attr(module, hook, _OPS[hook](compute, accumulate))
+    if reduce_dtype is not None:
+        set_attr(module, "promote_dtype", promote_inputs_only)
+    return accumulate or compute
+
+
 def _values(args: tuple) -> list:
     # Linen's layers call `promote_dtype(a, b, c, dtype=...)`, NNX's `promote_dtype((a, b, c))`.
     return list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else list(args)

@@ -318,35 +318,24 @@ def _weights_cast_inside(
         return None
     if not hasattr(module, "promote_dtype"):
         return None
-    if isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
-        hook, op = "dot_general", matmul.dot_general(compute, accumulate)
-    elif isinstance(module, nnx.Conv):
-        hook, op = "conv_general_dilated", matmul.conv_general_dilated(compute, accumulate)
-    elif isinstance(module, nnx.Einsum):
-        hook, op = "einsum_op", matmul.MixedEinsum(compute, accumulate)
-    elif isinstance(module, nnx.Embed) and reduce_dtype is not None:
+    if isinstance(module, nnx.Embed) and reduce_dtype is not None:
         setattr(module, "promote_dtype", matmul.promote_for_lookup)  # noqa: B010
         return compute
+    if isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
+        hook = "dot_general"
+    elif isinstance(module, nnx.Conv):
+        hook = "conv_general_dilated"
+    elif isinstance(module, nnx.Einsum):
+        hook = "einsum_op"
     else:
         return None
-    if not hasattr(module, hook):
-        return None  # a Flax release whose layer takes no such hook
-    current = getattr(module, hook)
-    default = jnp.einsum if hook == "einsum_op" else getattr(lax, hook)
-    if current not in (None, default) or getattr(module, f"{hook}_cls", None):
-        return None  # the user's own (or float8's)
-    setattr(module, hook, op)
-    if reduce_dtype is not None:
-        setattr(module, "promote_dtype", matmul.promote_inputs_only)  # noqa: B010
-    return accumulate or compute
+    return matmul.take_over(module, hook, compute, reduce_dtype, accumulate)
 
 
 def _take_back_hooks(module: nnx.Module) -> None:
     """Flax's defaults back where `_weights_cast_inside` set hooks, so calling
     `mixed_precision` again with another policy starts from the model as written."""
-    for hook, default in (("dot_general", lax.dot_general),
-                          ("conv_general_dilated", lax.conv_general_dilated),
-                          ("einsum_op", jnp.einsum)):  # fmt: skip
+    for hook, default in matmul.FLAX_DEFAULTS.items():
         if isinstance(getattr(module, hook, None), matmul.MixedOp):
             setattr(module, hook, default)
     if getattr(module, "promote_dtype", None) in (
