@@ -16,6 +16,17 @@ from flax import nnx
 from jax import lax
 
 
+def widened_on_cpu(eqn: Any, half: Any) -> bool:
+    """A weight-gradient matmul whose bfloat16 operands `jmp_policy.matmul` widened to float32:
+    it accumulates in float32, and XLA:CPU cannot run bfloat16 x bfloat16 -> float32."""
+    return (
+        jnp.dtype(half) == jnp.bfloat16
+        and jax.default_backend() == "cpu"
+        and eqn.params.get("preferred_element_type") == jnp.float32
+        and {v.aval.dtype for v in eqn.invars} == {jnp.dtype(jnp.float32)}
+    )
+
+
 def block_layers(x: jax.Array, heads: int, causal: bool = False, dtype: Any = None) -> jax.Array:
     """A pre-norm transformer block (LayerNorm, self-attention, LayerNorm, MLP 4x).
 

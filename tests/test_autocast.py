@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from models import MODEL, PARAMS, RNN_PARAMS, XS, X, Y, loss_fn, rnn
+from models import MODEL, PARAMS, RNN_PARAMS, XS, X, Y, loss_fn, rnn, widened_on_cpu
 
 import jmp_policy as jmp
 from jmp_policy.census import MATMULS, iter_equations, report_of_jaxpr
@@ -50,11 +50,8 @@ def test_flax_transformer_with_conv_stem(name):
     for eqn in iter_equations(backward):
         if eqn.primitive.name in MATMULS:
             operands = operand_dtypes(eqn)
-            if name == "mixed_bfloat16" and jax.default_backend() == "cpu":
-                # A weight gradient accumulated in float32 (jmp_policy.matmul): XLA:CPU cannot
-                # run bfloat16 x bfloat16 -> float32, so its bfloat16 operands are widened.
-                widened = eqn.params.get("preferred_element_type") == jnp.float32
-                operands = {policy.compute_dtype} if widened else operands
+            if widened_on_cpu(eqn, policy.compute_dtype):
+                operands = {policy.compute_dtype}  # exact bfloat16 values, widened for XLA:CPU
             assert operands == {policy.compute_dtype}, eqn
     print(f"\nautocast {name}, forward: {report_of_jaxpr(forward)}")
     print(f"autocast {name}, forward+backward: {report_of_jaxpr(backward)}")

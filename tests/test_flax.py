@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from models import CNN, Classifier, NNXClassifier
+from models import CNN, Classifier, NNXClassifier, widened_on_cpu
 
 import jmp_policy as jmp
 from jmp_policy._compat import jaxprs_in_params
@@ -45,17 +45,8 @@ def check_program(forward, backward, half, in_island, label):
             island = in_island(eqn)
             if eqn.primitive.name in MATMULS:
                 operands = {v.aval.dtype for v in eqn.invars}
-                if (
-                    not is_forward
-                    and not island
-                    and half == jnp.bfloat16
-                    and operands == {F32}
-                    and jax.default_backend() == "cpu"
-                ):
-                    # A weight gradient, accumulated in float32 (jmp_policy.matmul): XLA:CPU
-                    # cannot run bfloat16 x bfloat16 -> float32, so its exact bfloat16
-                    # operands are widened there.
-                    operands = {half}
+                if not is_forward and not island and widened_on_cpu(eqn, half):
+                    operands = {half}  # exact bfloat16 values, widened for XLA:CPU
                 assert operands == ({F32} if island else {half}), (label, eqn)
                 matmuls += 1
             floating = compute_dtype(eqn) is not None
