@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jmp_policy import _naming
 from jmp_policy._compat import DropVar, bind_params, jaxprs_in_params
 from jmp_policy._pytree import is_traced_leaf
 from jmp_policy.fp8 import (
@@ -46,6 +47,7 @@ from jmp_policy.fp8 import (
     fp8_excluded_by,
 )
 from jmp_policy.matmul import check_accumulate_dtype, check_reduce_dtype, mixed
+from jmp_policy.overrides import FULL_PRECISION_REGION
 from jmp_policy.policy import Policy, casting_policy, check_policy
 
 try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
@@ -450,7 +452,9 @@ class _Autocast:
             else _StaticLeaf(x)
             for x, is_traced in zip(flat, traced, strict=True)
         )
-        key = (in_tree, specs, static_args, static_kwargs)
+        # Traced again while the debugger names NNX/Equinox modules (`_naming`): a program
+        # built before has no module paths in its name stacks.
+        key = (in_tree, specs, static_args, static_kwargs, _naming.active())
         if key not in self._cache:
             self._cache[key] = self._build(
                 in_tree, specs, dict(static_args), dict(static_kwargs), len(args)
@@ -661,4 +665,4 @@ def full_precision(fun: Callable) -> Callable:
     if not callable(fun):
         raise TypeError(f"Expected a callable for `fun`, got {type(fun).__name__}.")
     rules = _Rules(_FLOAT32, _FLOAT32, frozenset(ALLOW), frozenset(DENY))
-    return _Autocast(fun, rules, (), (), cast_inputs=True, region_name="jmp_full_precision_region")
+    return _Autocast(fun, rules, (), (), cast_inputs=True, region_name=FULL_PRECISION_REGION)

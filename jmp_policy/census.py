@@ -25,7 +25,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 from jmp_policy._compat import jaxprs_in_params
 from jmp_policy._pytree import split_traced
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
-from jmp_policy.overrides import FLOAT32_ISLAND
+from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 
 MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -262,7 +262,7 @@ def report_of_jaxpr(
     )
 
 
-_REGION = "jmp_full_precision_region"
+_REGION = FULL_PRECISION_REGION
 _HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 

@@ -1,12 +1,13 @@
 """A precision debugger: per-layer statistics of a loss's forward and backward pass.
 
-`debug_precision(loss_fn, *args)` traces `jax.value_and_grad(loss_fn)` and runs it one operation
-at a time (eagerly, on the host's default device: a debugging tool, not a train step). For every
-module path (the Flax name stack; "(top level)" outside any module) and direction (forward:
-activations, backward: gradients) it records how close the values come to the edges of a target
-dtype at a given loss scale, and it names the first operation that made an inf or NaN out of
-finite inputs.
-"""
+`debug_precision(loss_fn, *args)` traces the loss's value and gradient and runs them one
+operation at a time (eagerly, on the host's default device: a debugging tool, not a train step).
+For every layer (a Linen module path, an NNX attribute path or an Equinox field path under the
+root module's class name, a `jax.named_scope`; "(top level)" outside any) and direction (forward:
+activations, backward: the values that carry the gradient) it records how close the values come
+to the edges of a target dtype at a given loss scale, and it names the first operation that made
+an inf or NaN out of finite inputs. Under a policy, only what the policy runs in the target dtype
+is judged."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
-from jmp_policy._compat import DropVar, bind_params
-from jmp_policy._pytree import register_state
-from jmp_policy.overrides import FLOAT32_ISLAND
+from jmp_policy import _naming
+from jmp_policy._compat import DropVar, bind_params, jaxprs_in_params
+from jmp_policy._pytree import is_traced_leaf, register_state, split_traced
+from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 from jmp_policy.policy import is_floating_array
 
 _CALLS = {
@@ -132,6 +134,14 @@ class PrecisionDebugReport:
         target dtype (`OpError`), largest first; `debug_precision` measures them, in-program
         statistics do not.
       matmul_layers: the layers whose own operations include a matmul or convolution.
+      judged: "all" when the loss ran in float32 (every operation is judged as if it ran in
+        the target dtype), "target" when it already ran under a policy or `autocast` (some
+        operation computed in the target dtype): then only what the policy runs in the target
+        dtype is judged, and what it keeps in float32 is not.
+      target_layers: with judged "target", the statistics of the values held in the target
+        dtype (`layers` has all values); `advice` reads these.
+      float32_layers: the layers a policy override or a `full_precision` region keeps in
+        float32 (not judged; `advice` keeps them in its overrides).
     """
 
     dtype: str
@@ -142,6 +152,9 @@ class PrecisionDebugReport:
     loss: float
     op_errors: tuple[OpError, ...] = ()
     matmul_layers: tuple[str, ...] = ()
+    judged: str = "all"
+    target_layers: tuple[LayerStats, ...] = ()
+    float32_layers: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         loss = "" if math.isnan(self.loss) else f" (loss {self.loss:.6g})"
@@ -190,7 +203,13 @@ class PrecisionDebugReport:
           `{"overrides": {module path: "float32"}, "islands": {module path: [operations]},
           "loss_scale": {...}}`.
 
-          - overrides: a layer whose activations do not fit the target dtype (an overflow,
+          What is judged is what the policy runs in the target dtype: when the loss already
+          runs under a policy (`judged == "target"`), the values and operations in the target
+          dtype only; an operation the policy keeps in float32 (a norm's statistics under
+          `NORMS_IN_FLOAT32`, Flax attention's softmax) is not judged in it.
+
+          - overrides: the layers the policy already keeps in float32 (`float32_layers`) stay
+            there; a layer whose activations do not fit the target dtype (an overflow,
             or more than 0.1% of their magnitude lost to underflow) goes to float32; so does
             a layer without matmuls (its own or its children's) whose values span more
             binades than the target dtype's normal range or whose operations lose more than
@@ -204,7 +223,9 @@ class PrecisionDebugReport:
             float32; `autocast` runs sums, exp and log there; a model output cast to
             float32 (`output_dtype`) keeps the loss there.
           - loss_scale: `initial`, the largest power of two that keeps one doubling of
-            headroom on every gradient, and `hysteresis` 2 when the gradients span more
+            headroom on every gradient the policy holds in the target dtype (where dynamic
+            loss scaling settles, within a doubling or two: scaled float32 gradients do not
+            overflow), and `hysteresis` 2 when the gradients span more
             binades than the target dtype can hold (some will underflow at any scale, so
             single overflows should not halve it).
         """
@@ -218,8 +239,11 @@ class PrecisionDebugReport:
         for e in self.op_errors:
             if e.error > 1.0 and e.primitive not in _MATMULS:
                 lossy.setdefault(e.layer, set()).add(e.primitive)
-        overrides = {}
-        for s in self.layers:
+        judged = self.target_layers if self.judged == "target" else self.layers
+        overrides = {
+            _module_path(layer): "float32" for layer in self.float32_layers if layer != TOP_LEVEL
+        }
+        for s in judged:
             if s.direction != "forward" or s.layer == TOP_LEVEL:
                 continue
             does_not_fit = s.overflow > 0 or s.underflow_mass > 1e-3
@@ -233,7 +257,7 @@ class PrecisionDebugReport:
             for layer, ops in lossy.items()
             if (layer == TOP_LEVEL or holds_matmuls(layer)) and _module_path(layer) not in overrides
         }
-        backward = [s for s in self.layers if s.direction == "backward" and s.amax > 0]
+        backward = [s for s in judged if s.direction == "backward" and s.amax > 0]
         if backward:
             amax = max(s.amax for s in backward)  # gradients of the unscaled loss
             initial = 2.0 ** math.floor(math.log2(float(finfo.max) / 2 / amax))
@@ -266,9 +290,12 @@ class PrecisionDebugReport:
         fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.5))
         ax.imshow(shown, aspect="auto", cmap="magma")
         ax.set_xticks(range(len(columns)), columns)
-        ax.set_yticks(
-            range(len(rows)), [f"{s.layer[-40:]} ({s.direction[:3]})" for s in self.layers]
-        )
+        labels = [
+            f"{(s.layer if s.layer == TOP_LEVEL else _module_path(s.layer))[-44:]} "
+            f"({s.direction[:3]})"
+            for s in self.layers
+        ]  # without the root module's name, which every row shares
+        ax.set_yticks(range(len(rows)), labels)
         for (i, j), value in np.ndenumerate(data):
             ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize=7, color="grey")
         ax.set_title(f"{self.dtype}, gradients at loss scale {self.loss_scale:g}")
@@ -285,20 +312,35 @@ def _module_path(layer: str) -> str:
     return "/".join(parts[1:]) if len(parts) > 1 else layer
 
 
-_WRAPPERS = re.compile(r"^(transpose\()?(jvp\()?")
+_MARKERS = (FLOAT32_ISLAND, FULL_PRECISION_REGION)  # name-stack parts that are not modules
+_WRAPPERS = re.compile(r"^(?:[a-z_]+\()+")  # transpose(, jvp(, vmap(: transforms, not modules
 
 
-def _layer_and_direction(name_stack: str) -> tuple[str, str]:
-    backward = "transpose(" in name_stack
+def _layer_and_direction(name_stack: str, gradient: bool | None = None) -> tuple[str, str]:
+    backward = "transpose(" in name_stack if gradient is None else gradient
     parts = []
     for part in name_stack.split("/"):
         part = _WRAPPERS.sub("", part).rstrip(")")
         # Keep module names (Flax's); drop einsum specs, op names XLA added and
         # the float32-override marker of the Flax integrations.
         # NNX list indices (`layers/0/attn`) are path parts too.
-        if part and part != FLOAT32_ISLAND and re.fullmatch(r"[A-Za-z_][\w.\-]*|\d+", part):
+        # Equinox's own scopes ("eqx.nn.Linear") name a class, its field path is named instead.
+        if (
+            part
+            and part not in _MARKERS
+            and not part.startswith("eqx.")
+            and re.fullmatch(r"[A-Za-z_][\w.\-]*|\d+", part)
+        ):
             parts.append(part)
     return ("/".join(parts) or TOP_LEVEL), ("backward" if backward else "forward")
+
+
+def _float32_island(name_stack: str) -> str | None:
+    """The layer an override keeps in float32 around this operation; "" inside a
+    `full_precision` region (kept there by the region, not by an override); None outside."""
+    if FLOAT32_ISLAND in name_stack:
+        return _layer_and_direction(name_stack[: name_stack.index(FLOAT32_ISLAND)])[0]
+    return "" if FULL_PRECISION_REGION in name_stack else None
 
 
 def _source(eqn: Any) -> str:
@@ -325,59 +367,85 @@ def _masks(magnitude: Any, dtype: Any) -> Any:
     return (magnitude >= _MASK_MAGNITUDE) | (magnitude == largest)
 
 
+def _carries_mask(values: Sequence[Any]) -> bool:
+    """Whether some floating value holds a masking constant or an infinity."""
+    return any(
+        bool((np.isinf(m) | _masks(m, v.dtype)).any())
+        for v in values
+        if is_floating_array(v)
+        for m in [np.abs(np.asarray(v, np.float64))]
+    )
+
+
 class _Accumulator:
-    def __init__(self, dtype: np.dtype, loss_scale: float):
+    def __init__(self, dtype: np.dtype, loss_scale: float, under_policy: bool = False):
         finfo = jnp.finfo(dtype)
         self.max, self.tiny = float(finfo.max), float(finfo.smallest_normal)
         self.dtype, self.unit_roundoff = dtype, float(finfo.eps) / 2
         self.loss_scale = loss_scale
+        self.under_policy = under_policy
         self.stats: dict[tuple[str, str], list] = {}
+        self.target_stats: dict[tuple[str, str], list] = {}  # values held in the target dtype
         self.op_errors: dict[tuple[str, str], float] = {}
         self.matmul_layers: set[str] = set()
+        self.float32_layers: set[str] = set()
 
-    def op_error(self, layer: str, eqn: Any, invals: list, outs: list) -> None:
-        """Runs `eqn` again with its wider floating inputs rounded to the target dtype."""
+    def op_error(self, layer: str, eqn: Any, invals: list, outs: list, island: str | None) -> None:
+        """How much accuracy `eqn` loses in the target dtype, against float32.
+
+        Under a policy, an operation that computed in the target dtype runs again with its
+        inputs widened to float32; otherwise an operation on wider inputs runs again with them
+        rounded to the target dtype. Inside a float32 island nothing is judged.
+        """
         name = eqn.primitive.name
         if name in _MATMULS:
             self.matmul_layers.add(layer)
-        wider = [
-            is_floating_array(v) and jnp.dtype(v.dtype).itemsize > self.dtype.itemsize
-            for v in invals
-        ]
-        if not any(wider) or not any(is_floating_array(o) for o in outs):
+        if island is not None:
+            if island:
+                self.float32_layers.add(island)
+            return
+        floating_out = [o for o in outs if is_floating_array(o)]
+        if not floating_out or name == "convert_element_type":
+            return  # a cast only rounds (an overflow shows as an inf it made)
+        if self.under_policy:
+            change = [is_floating_array(v) and jnp.dtype(v.dtype) == self.dtype for v in invals]
+            if not any(o.dtype == self.dtype for o in floating_out):
+                return  # computed in float32 by the policy
+            into = jnp.dtype(jnp.float32)
+        else:
+            change = [
+                is_floating_array(v) and jnp.dtype(v.dtype).itemsize > self.dtype.itemsize
+                for v in invals
+            ]
+            into = self.dtype
+        if not any(change):
             return
         subfuns, params = bind_params(eqn.primitive, eqn.params)
         params = dict(params)
         if params.get("preferred_element_type") is not None:
-            params["preferred_element_type"] = self.dtype
+            params["preferred_element_type"] = into
         cast = [
-            jnp.asarray(v).astype(self.dtype) if w else v
-            for v, w in zip(invals, wider, strict=True)
+            jnp.asarray(v).astype(into) if c else v for v, c in zip(invals, change, strict=True)
         ]
         try:
-            half = eqn.primitive.bind(*subfuns, *cast, **params)
+            rerun = eqn.primitive.bind(*subfuns, *cast, **params)
         except (TypeError, ValueError, NotImplementedError):
             return  # no kernel in the target dtype: autocast runs such ops in float32
-        half = list(half) if eqn.primitive.multiple_results else [half]
-        error = 0.0
-        for full, low in zip(outs, half, strict=True):
-            if not is_floating_array(full):
-                continue
-            f = np.asarray(full, np.float64)
-            h = np.asarray(low, np.float64)
-            kept = np.isfinite(f) & ~_masks(np.abs(f), full.dtype)
-            if not kept.any():
-                continue
-            diff = h[kept] - f[kept]
-            norm = float(np.linalg.norm(f[kept]))
-            if not np.isfinite(diff).all():
-                error = math.inf
-            elif norm > 0:
-                error = max(error, float(np.linalg.norm(diff)) / norm / self.unit_roundoff)
+        rerun = list(rerun) if eqn.primitive.multiple_results else [rerun]
+        full, low = (rerun, outs) if self.under_policy else (outs, rerun)
+        # A float16 mask (its lowest value) carried on by `x - max` overflows to -inf there:
+        # near the target's edge, values derived from a mask are masks too.
+        edge = self.max if _carries_mask(invals) else None
         key = (layer, name)
+        error = _relative_error(full, low, self.unit_roundoff, edge)
         self.op_errors[key] = max(self.op_errors.get(key, 0.0), error)
 
-    def add(self, key: tuple[str, str], value: np.ndarray) -> None:
+    def add(self, key: tuple[str, str], value: np.ndarray, island: str | None = None) -> None:
+        self._add(self.stats, key, value)
+        if self.under_policy and island is None and jnp.dtype(value.dtype) == self.dtype:
+            self._add(self.target_stats, key, value)
+
+    def _add(self, stats: dict, key: tuple[str, str], value: np.ndarray) -> None:
         x = np.abs(np.asarray(value, np.float64)).ravel()
         finite = np.isfinite(x)
         # A masking constant (Flax's `jnp.finfo(jnp.float32).min` for -inf, a model's -2.38e38)
@@ -387,7 +455,7 @@ class _Accumulator:
         xf = x[finite & ~masked]
         nonzero = xf[xf > 0]
         scaled = nonzero * (self.loss_scale if key[1] == "backward" else 1.0)
-        s = self.stats.setdefault(key, [0, 0.0, math.inf, 0, 0, 0, 0, 0.0, 0.0])
+        s = stats.setdefault(key, [0, 0.0, math.inf, 0, 0, 0, 0, 0.0, 0.0])
         s[0] += x.size - int(masked.sum())
         s[7] += float(nonzero[scaled < self.tiny].sum())
         s[8] += float(nonzero.sum())
@@ -398,8 +466,34 @@ class _Accumulator:
         s[5] += int(nonzero.size)
         s[6] += int((~finite & ~masked).sum())
 
-    def layers(self) -> tuple[LayerStats, ...]:
-        return _layer_stats(self.stats, self.max, self.loss_scale)
+    def layers(self, target: bool = False) -> tuple[LayerStats, ...]:
+        return _layer_stats(self.target_stats if target else self.stats, self.max, self.loss_scale)
+
+
+def _relative_error(full: list, low: list, unit_roundoff: float, mask_edge: float | None) -> float:
+    """The largest relative L2 error of `low` against `full`, in unit roundoffs (inf: overflow).
+
+    Masking constants in `full` are left out, and with `mask_edge` (the inputs carried a mask)
+    so is any value within a doubling of it.
+    """
+    error = 0.0
+    for f_out, l_out in zip(full, low, strict=True):
+        if not is_floating_array(f_out):
+            continue
+        f = np.asarray(f_out, np.float64)
+        h = np.asarray(l_out, np.float64)
+        kept = np.isfinite(f) & ~_masks(np.abs(f), f_out.dtype)
+        if mask_edge is not None:
+            kept &= (np.abs(f) < mask_edge / 2) & (np.abs(h) < mask_edge / 2)
+        if not kept.any():
+            continue
+        diff = h[kept] - f[kept]
+        norm = float(np.linalg.norm(f[kept]))
+        if not np.isfinite(diff).all():
+            error = math.inf
+        elif norm > 0:
+            error = max(error, float(np.linalg.norm(diff)) / norm / unit_roundoff)
+    return error
 
 
 def _layer_stats(raw: dict, largest: float, loss_scale: float) -> tuple[LayerStats, ...]:
@@ -444,20 +538,57 @@ class _Interpreter:
         self.origin: NonFiniteOrigin | None = None
         self.passed_on = 0
 
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], stack: str) -> list:
+    def run(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        stack: str,
+        cotangent: Sequence[bool] | None = None,
+        literal: Sequence[bool] | None = None,
+    ) -> list:
+        """Runs `jaxpr`, recording every operation on data.
+
+        With `cotangent` (which `args` carry the pullback's seed), an operation is backward when
+        its inputs carry it (a gradient), forward otherwise, whatever its name stack says (a
+        weight cast again for the backward pass is not a gradient). An operation on literals
+        alone (a mask or a placeholder the program builds from constants) is left out of the
+        statistics; an inf/NaN it makes from finite values is still one.
+        `literal` says which `args` come from literals alone. `self.flags_out` says, for each
+        output, (carries the seed, comes from literals alone).
+        """
         env: dict = {}
+        seeded: set = set()  # variables that carry the pullback's seed
+        constant: set = set()  # variables computed from literals alone
 
         def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        def flags(v) -> tuple[bool, bool]:
             if isinstance(v, jcore.Literal):
-                return v.val
-            return env[v]
+                return False, True
+            return v in seeded, v in constant
+
+        def mark(variables, marks):
+            for v, (seed, const) in zip(variables, marks, strict=True):
+                if seed:
+                    seeded.add(v)
+                if const:
+                    constant.add(v)
 
         for var, value in zip(jaxpr.constvars, consts, strict=True):
             env[var] = value
         for var, value in zip(jaxpr.invars, args, strict=True):
             env[var] = value
+        mark(
+            jaxpr.invars,
+            zip(cotangent or [False] * len(args), literal or [False] * len(args), strict=True),
+        )
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
+            in_flags = [flags(v) for v in eqn.invars]
+            gradient = any(f[0] for f in in_flags) if cotangent is not None else None
+            from_literals = all(f[1] for f in in_flags)
             here = "/".join(p for p in (stack, str(eqn.source_info.name_stack)) if p)
             sub = None
             if eqn.primitive.name in _CALLS:
@@ -473,27 +604,55 @@ class _Interpreter:
                 closed = sub if hasattr(sub, "consts") else None
                 inner = closed.jaxpr if closed is not None else sub
                 consts_ = list(closed.consts) if closed is not None else []
-                outs = self.run(inner, consts_, invals[: len(inner.invars)], here)
+                if eqn.params.get("name") == FULL_PRECISION_REGION:
+                    here = f"{here}/{FULL_PRECISION_REGION}"  # `autocast.full_precision`
+                n = len(inner.invars)
+                outs = self.run(
+                    inner,
+                    consts_,
+                    invals[:n],
+                    here,
+                    None if cotangent is None else [f[0] for f in in_flags[:n]],
+                    [f[1] for f in in_flags[:n]],
+                )
+                mark(eqn.outvars, self.flags_out)
             else:
                 subfuns, params = bind_params(eqn.primitive, eqn.params)
                 outs = eqn.primitive.bind(*subfuns, *invals, **params)
                 outs = list(outs) if eqn.primitive.multiple_results else [outs]
-                self._record(eqn, here, invals, outs)
+                self._record(eqn, here, invals, outs, gradient, from_literals)
+                mark(eqn.outvars, [(bool(gradient), from_literals)] * len(eqn.outvars))
             for var, value in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(var, DropVar):
                     env[var] = value
+        self.flags_out = [flags(v) for v in jaxpr.outvars]
         return [read(v) for v in jaxpr.outvars]
 
-    def _record(self, eqn: Any, stack: str, invals: list, outs: list) -> None:
-        key = _layer_and_direction(stack)
+    def _record(
+        self,
+        eqn: Any,
+        stack: str,
+        invals: list,
+        outs: list,
+        gradient: bool | None = None,
+        from_literals: bool = False,
+    ) -> None:
+        key = _layer_and_direction(stack, gradient)
+        island = _float32_island(stack)
         floats = [o for o in outs if is_floating_array(o)]
-        for value in floats:
-            self.acc.add(key, value)
-        if key[1] == "forward":
-            self.acc.op_error(key[0], eqn, invals, outs)
+        if not from_literals:
+            for value in floats:
+                self.acc.add(key, value, island)
+            if key[1] == "forward":
+                self.acc.op_error(key[0], eqn, invals, outs, island)
         if not floats or _all_finite(floats):
             return
-        if _all_finite(invals):
+        # A mask (1e30 or more, or its dtype's largest value) cast to or carried into a dtype
+        # that cannot hold it becomes -inf: still a mask, not an overflow. A NaN is never one.
+        mask_carried = _carries_mask(invals) and not any(
+            np.isnan(np.asarray(o, np.float64)).any() for o in floats
+        )
+        if _all_finite(invals) and not mask_carried:
             if self.origin is None:
                 self.origin = NonFiniteOrigin(eqn.primitive.name, key[0], key[1], _source(eqn), 0)
         else:
@@ -511,6 +670,38 @@ def _target_dtype(dtype: DTypeLike) -> np.dtype:
     return target
 
 
+def _with_seed(
+    fun: Callable[..., Any], args: Sequence[Any], argnums: int | Sequence[int], has_aux: bool
+) -> tuple[Any, list, list[bool], Any]:
+    """`jax.value_and_grad(fun, argnums, has_aux)(*args)` as a jaxpr whose last input is the
+    pullback's seed (a one): what carries it is a gradient, the rest is forward.
+
+    Returns the closed jaxpr, its inputs, which inputs are the seed, and the shapes of its
+    outputs `(value, grads)` (`((value, aux), grads)` with `has_aux`)."""
+    diff = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def value_and_pullback(args, seed):
+        def of_diff(*chosen):
+            full = list(args)
+            for i, value in zip(diff, chosen, strict=True):
+                full[i] = value
+            return fun(*full)
+
+        value, pullback, *aux = jax.vjp(of_diff, *(args[i] for i in diff), has_aux=has_aux)
+        grads = pullback(seed)
+        return (value, *aux) if has_aux else value, grads[0] if isinstance(argnums, int) else grads
+
+    with _naming.module_names():  # NNX and Equinox modules named by their paths
+        out = jax.eval_shape(fun, *args)
+        value = out[0] if has_aux else out
+        if not (isinstance(value, jax.ShapeDtypeStruct) and value.shape == ()):
+            raise TypeError(f"Expected `loss_fn` to return a scalar loss, got {value}.")
+        seed = jnp.ones((), value.dtype)
+        closed, shapes = jax.make_jaxpr(value_and_pullback, return_shape=True)(list(args), seed)
+    flat = [*jax.tree.leaves(list(args)), seed]
+    return closed, flat, [False] * (len(flat) - 1) + [True], shapes
+
+
 def debug_precision(
     loss_fn: Callable[..., Any],
     *args: Any,
@@ -520,13 +711,17 @@ def debug_precision(
 ) -> PrecisionDebugReport:
     """Per-layer statistics of `loss_fn(*args)`'s forward and backward pass in a target dtype.
 
-    Traces `jax.value_and_grad(loss_fn, argnums)` and runs it one operation at a time, so it
-    sees every intermediate value (nothing is jitted; use small example inputs).
+    Traces `jax.value_and_grad(loss_fn, argnums)` (with the pullback's seed as an input, so
+    that what carries it is the backward pass) and runs it one operation at a time, so it sees
+    every intermediate value (nothing is jitted; use small example inputs). NNX and Equinox
+    modules called while it traces are named by their paths (see `jmp_policy._naming`).
 
     Args:
       loss_fn: a scalar loss, e.g. `lambda p, x, y: loss(model.apply({"params": p}, x), y)`; it
-        may already run under a policy or `autocast`.
-      *args: its example arguments.
+        may already run under a policy or `autocast`: then only what runs in `dtype` is judged
+        (`PrecisionDebugReport.judged`).
+      *args: its example arguments: pytrees (NNX modules and states, Equinox modules); leaves
+        that are not arrays (an activation function, a flag) are passed as they are.
       dtype: the dtype the values are judged against: "float16", "bfloat16",
         "float8_e4m3fn" or "float8_e5m2".
       loss_scale: the loss scale the gradients are judged at (forward values are not scaled).
@@ -534,6 +729,10 @@ def debug_precision(
 
     Returns:
       A `PrecisionDebugReport`: `print` it, `.advice()`, `.plot(path)`.
+
+    Raises:
+      TypeError: `dtype` is not one of those, or `loss_fn` does not return a scalar.
+      ValueError: `loss_scale` is not a positive finite number.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -548,17 +747,27 @@ def debug_precision(
     target = _target_dtype(dtype)
     if not (isinstance(loss_scale, (int, float)) and loss_scale > 0 and math.isfinite(loss_scale)):
         raise ValueError(f"Expected a positive finite number for `loss_scale`, got {loss_scale!r}.")
+    # An argument that is a number is an array; inside a pytree, leaves that are not arrays (an
+    # Equinox module's activation function, a flag) are passed as they are, as
+    # `eqx.filter_jit` does.
+    args = tuple(jnp.asarray(a) if isinstance(a, (int, float)) else a for a in args)
     leaves = jax.tree_util.tree_leaves_with_path(args)
     bad_inputs = tuple(
         f"args{jax.tree_util.keystr(path)}"
         for path, leaf in leaves
-        if is_floating_array(jnp.asarray(leaf)) and not _all_finite([jnp.asarray(leaf)])
+        if is_traced_leaf(leaf) and is_floating_array(leaf) and not _all_finite([leaf])
     )
-    closed = jax.make_jaxpr(jax.value_and_grad(loss_fn, argnums))(*args)
-    acc = _Accumulator(target, float(loss_scale))
+    split = [split_traced(a) for a in args]
+
+    def on_arrays(*arrays):
+        return loss_fn(*(rebuild(a) for a, (_, rebuild) in zip(arrays, split, strict=True)))
+
+    arrays = [traced for traced, _ in split]
+    closed, flat, cotangent, _ = _with_seed(on_arrays, arrays, argnums, has_aux=False)
+    under_policy = target != jnp.float32 and _computes_in(closed.jaxpr, target)
+    acc = _Accumulator(target, float(loss_scale), under_policy)
     interpreter = _Interpreter(acc)
-    flat = jax.tree.leaves(args)
-    outs = interpreter.run(closed.jaxpr, closed.consts, flat, "")
+    outs = interpreter.run(closed.jaxpr, closed.consts, flat, "", cotangent)
     origin = interpreter.origin
     if origin is not None:
         origin = dataclasses.replace(origin, passed_on=interpreter.passed_on)
@@ -573,7 +782,24 @@ def debug_precision(
         loss=float(np.asarray(outs[0])),
         op_errors=op_errors,
         matmul_layers=tuple(sorted(acc.matmul_layers)),
+        judged="target" if under_policy else "all",
+        target_layers=acc.layers(target=True),
+        float32_layers=tuple(sorted(acc.float32_layers)),
     )
+
+
+def _computes_in(jaxpr: Any, dtype: np.dtype) -> bool:
+    """Whether some operation of `jaxpr` (or of a program inside it) outputs `dtype` values."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "convert_element_type" and any(
+            getattr(v.aval, "dtype", None) == dtype for v in eqn.outvars
+        ):
+            return True
+        if any(
+            _computes_in(getattr(sub, "jaxpr", sub), dtype) for sub in jaxprs_in_params(eqn.params)
+        ):
+            return True
+    return False
 
 
 @register_state
@@ -673,8 +899,18 @@ class _InProgram(_Interpreter):
         self.raw: dict[tuple[str, str], list[jax.Array]] = {}
         self.matmul_layers: set[str] = set()
 
-    def _record(self, eqn: Any, stack: str, invals: list, outs: list) -> None:
-        key = _layer_and_direction(stack)
+    def _record(
+        self,
+        eqn: Any,
+        stack: str,
+        invals: list,
+        outs: list,
+        gradient: bool | None = None,
+        from_literals: bool = False,
+    ) -> None:
+        if from_literals:
+            return
+        key = _layer_and_direction(stack, gradient)
         if key[1] == "forward" and eqn.primitive.name in _MATMULS:
             self.matmul_layers.add(key[0])
         for value in outs:
@@ -762,9 +998,9 @@ def value_and_grad_with_stats(
     value_and_grad = jax.value_and_grad(fun, argnums, has_aux=has_aux)
 
     def collecting(*args):
-        closed, shapes = jax.make_jaxpr(value_and_grad, return_shape=True)(*args)
+        closed, flat, cotangent, shapes = _with_seed(fun, args, argnums, has_aux)
         interpreter = _InProgram(target)
-        outs = interpreter.run(closed.jaxpr, closed.consts, jax.tree.leaves(args), "")
+        outs = interpreter.run(closed.jaxpr, closed.consts, flat, "", cotangent)
         value, grads = jax.tree.unflatten(jax.tree.structure(shapes), outs)
         return value, grads, interpreter.stats()
 

@@ -32,6 +32,9 @@ operation's name stack to tell a float32 matmul the user asked for from one
 that slipped through; reports show module paths without it.
 """
 
+FULL_PRECISION_REGION = "jmp_full_precision_region"
+"""The name of the call around `autocast.full_precision`'s function (its float32 region)."""
+
 
 def island_scope(own: Policy | None, compute: np.dtype) -> contextlib.AbstractContextManager:
     """The scope to run a module in: `FLOAT32_ISLAND` if its own override computes in float32."""

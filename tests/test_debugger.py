@@ -366,7 +366,7 @@ def test_a_mask_of_any_large_constant_is_left_out(fill):
     assert not advised & {"select_n", "sub", "mul", "div", "broadcast_in_dim"}, advised
 
 
-def test_nnx_layers_are_named_by_attribute_path_in_the_functional_pattern():
+def _nnx_model():
     from flax import nnx
 
     class Block(nnx.Module):
@@ -387,15 +387,200 @@ def test_nnx_layers_are_named_by_attribute_path_in_the_functional_pattern():
                 x = layer(x)
             return self.head(x)
 
-    # The float32 policy changes no dtype; it gives every submodule its attribute path.
-    model = jmp.nnx.mixed_precision(Model(nnx.Rngs(0)), "float32")
-    graphdef, state = nnx.split(model)
+    return Model(nnx.Rngs(0))
+
+
+NNX_LAYERS = {"Model/layers/0/norm", "Model/layers/0/mlp", "Model/layers/1/norm",
+              "Model/layers/1/mlp", "Model/head"}  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", ["module", "split-merge", "mixed_precision", "in-program"])
+def test_nnx_layers_are_named_by_attribute_path(pattern):
+    from flax import nnx
+
+    model = _nnx_model()
     x = jax.random.normal(jax.random.key(1), (8, 16))
+    if pattern == "module":  # nnx.value_and_grad style: the module is the argument
+        report = jmp.debug_precision(lambda m, x: jnp.mean(m(x) ** 2), model, x)
+    elif pattern == "in-program":
+        f = jmp.value_and_grad_with_stats(lambda m, x: jnp.mean(m(x) ** 2))
+        report = jax.jit(f)(model, x)[2].report()
+    else:
+        if pattern == "mixed_precision":
+            model = jmp.nnx.mixed_precision(model, "mixed_float16")
+        graphdef, state = nnx.split(model)
 
-    def loss(state, x):
-        return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)  # the usual functional pattern
+        def loss(state, x):
+            return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)  # the usual functional pattern
 
-    report = jmp.debug_precision(loss, state, x, dtype="float16")
+        report = jmp.debug_precision(loss, state, x, dtype="float16")
     layers = {s.layer for s in report.layers}
     print(sorted(layers))
-    assert {"layers/0/norm", "layers/0/mlp", "layers/1/norm", "layers/1/mlp", "head"} <= layers
+    assert NNX_LAYERS <= layers
+    assert all(s.layer in NNX_LAYERS | {"Model", "Model/layers/0", "Model/layers/1", "(top level)"}
+               for s in report.layers)  # fmt: skip
+    if pattern == "mixed_precision":
+        # The norms run in float32 (NORMS_IN_FLOAT32): not judged in float16, kept by the
+        # advice, as paths `nnx.mixed_precision` takes.
+        assert report.judged == "target"
+        assert report.float32_layers == ("Model/layers/0/norm", "Model/layers/1/norm")
+        overrides = report.advice()["overrides"]
+        assert overrides == {"layers/0/norm": "float32", "layers/1/norm": "float32"}
+        jmp.nnx.mixed_precision(_nnx_model(), "mixed_float16", overrides)  # every path matches
+        assert not {e.layer for e in report.op_errors} & set(report.float32_layers)
+
+
+def test_equinox_and_named_scope_layers_are_named_by_path():
+    eqx = pytest.importorskip("equinox")
+
+    class Block(eqx.Module):
+        norm: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+        activation: object = jax.nn.gelu  # a function leaf
+
+        def __call__(self, x):
+            return x + self.mlp(self.activation(self.norm(x)))
+
+    class Model(eqx.Module):
+        blocks: list
+        head: eqx.nn.Linear
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    model = Model(
+        [Block(eqx.nn.LayerNorm(8), eqx.nn.MLP(8, 8, 16, 1, key=k)) for k in keys[:2]],
+        eqx.nn.Linear(8, 2, key=keys[2]),
+    )
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    expected = {"Model/blocks/0/norm", "Model/blocks/0/mlp/layers/0", "Model/blocks/1/mlp",
+                "Model/head"}  # fmt: skip
+
+    for wrapped in (model, jmp.eqx.mixed_precision(model, "mixed_float16")):
+        report = jmp.debug_precision(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), wrapped, x)
+        layers = {s.layer for s in report.layers}
+        print(sorted(layers))
+        assert expected <= layers
+        assert not any("eqx." in layer or "Wrapper" in layer for layer in layers)
+    assert report.judged == "target"  # under autocast: only what runs in float16 is judged
+
+    def plain(w, x):  # plain functions: their named scopes are the layers
+        with jax.named_scope("encoder"):
+            h = jnp.tanh(x @ w)
+        with jax.named_scope("head"):
+            return jnp.mean(h**2)
+
+    report = jmp.debug_precision(plain, jnp.ones((8, 8)), x)
+    assert {s.layer for s in report.layers} == {"encoder", "head"}
+
+
+# --- Advice that holds: Linen, NNX and Equinox transformers, each under its policy -----------
+
+STEPS = 100
+
+
+def _linen_transformer(overrides=None):
+    from user_models import LinenTransformer, TransformerConfig
+
+    kwargs = {} if overrides is None else {"overrides": overrides}
+    model = LinenTransformer(TransformerConfig(num_layers=1))
+    model = jmp.linen.mixed_precision(model, "mixed_float16", **kwargs)
+    params = model.init(jax.random.key(1), jnp.zeros((2, 15), jnp.int32))["params"]
+    return params, lambda params, tokens: model.apply({"params": params}, tokens)
+
+
+def _nnx_transformer(overrides=None):
+    from flax import nnx
+    from user_models import make_nnx_transformer
+
+    kwargs = {} if overrides is None else {"overrides": overrides}
+    model = jmp.nnx.mixed_precision(make_nnx_transformer(layers=1), "mixed_float16", **kwargs)
+    graphdef, state = nnx.split(model)
+    return state, lambda state, tokens: nnx.merge(graphdef, state)(tokens)  # functional pattern
+
+
+def _eqx_transformer(overrides=None):
+    eqx = pytest.importorskip("equinox")
+    from user_models import make_eqx_transformer
+
+    assert not overrides  # autocast keeps norms' statistics in float32 op by op
+    model = make_eqx_transformer(jax.random.key(1), layers=1)
+    params, static = eqx.partition(jmp.eqx.mixed_precision(model, "mixed_float16"), eqx.is_array)
+    return params, lambda params, tokens: jax.vmap(eqx.combine(params, static))(tokens)
+
+
+def _lm_loss(apply):
+    def loss(params, tokens):
+        logits = apply(params, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss
+
+
+def _train(params, loss, loss_scale, batches):
+    tx = jmp.loss_scaling(optax.adam(3e-3), loss_scale)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+        value, grads = jmp.value_and_scaled_grad(loss)(opt_state, params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    scales, losses = [], []
+    for tokens in batches:
+        scales.append(float(opt_state.loss_scale.loss_scale))
+        params, opt_state, value = step(params, opt_state, tokens)
+        losses.append(float(value))
+    return np.log2(scales), np.asarray(losses)
+
+
+@pytest.mark.standard_promotion  # optax's Adam
+@pytest.mark.parametrize(
+    "make, norms",
+    [
+        (_linen_transformer, {"block_0/LayerNorm_0", "block_0/LayerNorm_1", "LayerNorm_0"}),
+        (_nnx_transformer, {"layers/0/pre_attention_norm", "layers/0/pre_ffw_norm", "final_norm"}),
+        (_eqx_transformer, set()),
+    ],
+    ids=["linen", "nnx", "equinox"],
+)
+def test_advice_holds_for_dynamic_loss_scaling_under_the_policy(make, norms):
+    from user_models import token_batches
+
+    batches = token_batches(jax.random.key(0), STEPS)
+    params, apply = make()
+    report = jmp.debug_precision(_lm_loss(apply), params, batches[0], dtype="float16")
+    advice = report.advice()
+    print(f"\n{report}")
+    # Judged as the policy runs it: float16 values and operations only. The norms the policy
+    # keeps in float32 stay there (and are not judged in float16); no matmul layer moves out.
+    assert report.judged == "target"
+    assert advice["overrides"] == dict.fromkeys(norms, "float32")
+    assert advice["islands"] == {}
+    # Dynamic scaling from 2**15, growing every 10 finite steps (every step until the first
+    # overflow): where it settles over the first 50 steps, before the gradients shrink as the
+    # loss falls, against the advised initial scale.
+    dynamic_scales, dynamic_losses = _train(
+        params, _lm_loss(apply), jmp.DynamicLossScale(2.0**15, period=10, warmup=True), batches
+    )
+    settled = float(np.median(dynamic_scales[:50]))
+    initial = math.log2(advice["loss_scale"]["initial"])
+    # The advice applied: its overrides (Flax) and its initial scale.
+    params, apply = make(advice["overrides"] or None)
+    scale = jmp.DynamicLossScale(
+        advice["loss_scale"]["initial"], period=10, hysteresis=advice["loss_scale"]["hysteresis"]
+    )
+    advised_scales, advised_losses = _train(params, _lm_loss(apply), scale, batches)
+    backoffs = [int(np.sum(np.diff(s) < 0)) for s in (dynamic_scales, advised_scales)]
+    print(f"advised 2^{initial:g}; dynamic settles at 2^{settled:g}; back-offs {backoffs}; "
+          f"final loss {advised_losses[-5:].mean():.4f} (advised) against "
+          f"{dynamic_losses[-5:].mean():.4f} (dynamic), from {dynamic_losses[0]:.4f}")  # fmt: skip
+    assert abs(initial - settled) <= 2
+    assert backoffs[1] <= backoffs[0]  # no step more skipped for following the advice
+    assert np.isfinite(advised_losses).all()
+    assert advised_losses[-5:].mean() < 0.2 * advised_losses[0]  # it learns
+    assert abs(advised_losses[-5:].mean() / dynamic_losses[-5:].mean() - 1) < 0.1

@@ -7,6 +7,9 @@
   `Dense`, attention and embedding, `.astype(config.dtype)` in between, an integer index
   dtype beside it.
 - `SetupMLP`: a `setup`-style Linen module whose children read the parent's `dtype`.
+- `make_nnx_transformer`: a Gemma-style NNX decoder: RMSNorm, rotary embeddings, grouped-query
+  attention, logit soft-capping, a mask written as `-2.3819763e38`, trained in the functional
+  pattern (`nnx.split`, `nnx.merge` inside the loss).
 - `make_eqx_transformer` (the Equinox example's model), `make_eqx_cnn`: Equinox modules with
   function leaves (activations), an `eqx.nn.State` for BatchNorm, vmapped over the batch inside
   the loss.
@@ -173,6 +176,77 @@ class SetupMLP(nn.Module):
         for layer in self.layers[:-1]:
             x = nn.relu(layer(x))
         return self.layers[-1](self.norm(x))
+
+
+# --- NNX: Gemma-style decoder ----------------------------------------------------------
+
+_MASK = -2.3819763e38  # what Gemma-style code writes where attention may not look
+
+
+def _rotary(x, positions):
+    half = x.shape[-1] // 2
+    freq = 1.0 / (10_000 ** (jnp.arange(half) / half))
+    angle = positions[:, None] * freq  # (length, half)
+    sin = jnp.sin(angle)[:, None].astype(x.dtype)  # broadcast over heads
+    cos = jnp.cos(angle)[:, None].astype(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def make_nnx_transformer(seed=0, vocab=64, dim=32, heads=4, kv_heads=2, layers=2, soft_cap=30.0):
+    from flax import nnx
+
+    head_dim = dim // heads
+
+    class Attention(nnx.Module):
+        def __init__(self, rngs):
+            self.q_proj = nnx.Linear(dim, heads * head_dim, use_bias=False, rngs=rngs)
+            self.kv_proj = nnx.Linear(dim, 2 * kv_heads * head_dim, use_bias=False, rngs=rngs)
+            self.o_proj = nnx.Linear(heads * head_dim, dim, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            batch, length, _ = x.shape
+            positions = jnp.arange(length)
+            q = self.q_proj(x).reshape(batch, length, heads, head_dim)
+            k, v = jnp.split(self.kv_proj(x).reshape(batch, length, 2 * kv_heads, head_dim), 2, 2)
+            q, k = _rotary(q, positions), _rotary(k, positions)
+            k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))  # grouped query
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
+            logits = jnp.tanh(logits / soft_cap) * soft_cap
+            causal = jnp.tril(jnp.ones((length, length), bool))
+            logits = jnp.where(causal, logits, _MASK)
+            probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+            out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, length, -1)
+            return self.o_proj(out)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.pre_attention_norm = nnx.RMSNorm(dim, rngs=rngs)
+            self.attn = Attention(rngs)
+            self.pre_ffw_norm = nnx.RMSNorm(dim, rngs=rngs)
+            self.gate = nnx.Linear(dim, 2 * dim, rngs=rngs)
+            self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
+            self.down = nnx.Linear(2 * dim, dim, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attn(self.pre_attention_norm(x))
+            y = self.pre_ffw_norm(x)
+            return x + self.down(nnx.gelu(self.gate(y)) * self.up(y))
+
+    class Decoder(nnx.Module):
+        def __init__(self, rngs):
+            self.embedder = nnx.Embed(vocab, dim, rngs=rngs)
+            self.layers = nnx.List([Block(rngs) for _ in range(layers)])
+            self.final_norm = nnx.RMSNorm(dim, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.embedder(tokens) * jnp.sqrt(dim).astype(self.embedder.embedding.dtype)
+            for layer in self.layers:
+                x = layer(x)
+            logits = self.embedder.attend(self.final_norm(x))
+            return jnp.tanh(logits / soft_cap) * soft_cap
+
+    return Decoder(nnx.Rngs(seed))
 
 
 # --- Equinox ------------------------------------------------------------------------
