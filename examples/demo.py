@@ -100,7 +100,8 @@ def batches(ids, batch, length, seed):
 
 
 def precision_advice(train_ids, vocab, args, dtype):
-    """`debug_precision` on the float32 model and one batch: the report, its advice printed."""
+    """`debug_precision` on the float32 model and one batch: the report, its advice printed,
+    its heat map written to `args.out`/precision_heat_map.png."""
     model = LanguageModel(vocab, length=args.length)
     x, y = next(batches(train_ids, 8, args.length, seed=0))
     params = model.init(jax.random.key(0), x)["params"]
@@ -113,6 +114,10 @@ def precision_advice(train_ids, vocab, args, dtype):
     advice = report.advice()
     print(f"advice for {dtype}: overrides {advice['overrides']}")
     print(f"  float32 islands {advice['islands']}")
+    if getattr(args, "out", None):
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"  heat map: {report.plot(out / 'precision_heat_map.png')}")
     return report
 
 
