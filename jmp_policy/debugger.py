@@ -822,11 +822,15 @@ class PrecisionStats:
       nonfinite: how many values are inf or NaN.
       underflow_magnitude: the summed magnitude of the values that underflow.
       magnitude: the summed magnitude of the nonzero finite values.
-      keys: `((module path, "forward" | "backward"), ...)` (static).
+      keys: `((module path, "forward" | "backward"), ...)` (static); under a policy, also
+        `(module path, direction, "target")` for the values held in the target dtype.
       dtype: the target dtype's name (static).
       matmul_layers: the layers whose own forward operations include a matmul or
         convolution (static; `PrecisionDebugReport.advice` keeps them out of its
         overrides unless their values do not fit).
+      judged: "target" when the program already runs under a policy (static; see
+        `PrecisionDebugReport.judged`), else "all".
+      float32_layers: the layers a policy override keeps in float32 (static).
     """
 
     collected: jax.Array
@@ -842,6 +846,8 @@ class PrecisionStats:
     keys: tuple = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(metadata=dict(static=True))
     matmul_layers: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    judged: str = dataclasses.field(default="all", metadata=dict(static=True))
+    float32_layers: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     def report(self, loss: float = math.nan) -> PrecisionDebugReport:
         """The statistics as a `PrecisionDebugReport` (host-side; gradients judged as computed).
@@ -878,26 +884,34 @@ class PrecisionStats:
             )
         ]
         raw = {key: [float(c[i]) for c in columns] for i, key in enumerate(self.keys)}
+        largest = float(jnp.finfo(self.dtype).max)
         return PrecisionDebugReport(
             dtype=self.dtype,
             loss_scale=1.0,
-            layers=_layer_stats(raw, float(jnp.finfo(self.dtype).max), 1.0),
+            layers=_layer_stats({k: v for k, v in raw.items() if len(k) == 2}, largest, 1.0),
             origin=None,
             nonfinite_inputs=(),
             loss=float(loss),
             matmul_layers=self.matmul_layers,
+            judged=self.judged,
+            target_layers=_layer_stats(
+                {k[:2]: v for k, v in raw.items() if len(k) == 3}, largest, 1.0
+            ),
+            float32_layers=self.float32_layers,
         )
 
 
 class _InProgram(_Interpreter):
     """Runs a jaxpr on traced values, accumulating `PrecisionStats` columns with jnp."""
 
-    def __init__(self, dtype: np.dtype):
+    def __init__(self, dtype: np.dtype, under_policy: bool = False):
         finfo = jnp.finfo(dtype)
         self.tiny, self.max = float(finfo.smallest_normal), float(finfo.max)
         self.dtype = dtype
-        self.raw: dict[tuple[str, str], list[jax.Array]] = {}
+        self.under_policy = under_policy
+        self.raw: dict[tuple, list[jax.Array]] = {}
         self.matmul_layers: set[str] = set()
+        self.float32_layers: set[str] = set()
 
     def _record(
         self,
@@ -911,16 +925,22 @@ class _InProgram(_Interpreter):
         if from_literals:
             return
         key = _layer_and_direction(stack, gradient)
+        island = _float32_island(stack)
+        if island:
+            self.float32_layers.add(island)
         if key[1] == "forward" and eqn.primitive.name in _MATMULS:
             self.matmul_layers.add(key[0])
         for value in outs:
             if is_floating_array(value) and value.size:
                 self._add(key, value)
+                if self.under_policy and island is None and value.dtype == self.dtype:
+                    self._add((*key, "target"), value)
 
-    def _add(self, key: tuple[str, str], value: jax.Array) -> None:
+    def _add(self, key: tuple, value: jax.Array) -> None:
         x = jnp.abs(value.astype(jnp.float32)).ravel()
         is_finite = jnp.isfinite(x)
-        masked = is_finite & _masks(x, value.dtype)
+        # As `debug_precision` counts them: masking constants and infinities are masks.
+        masked = (is_finite & _masks(x, value.dtype)) | jnp.isinf(x)
         finite = is_finite & ~masked
         nonzero = finite & (x > 0)
         new = [
@@ -930,7 +950,7 @@ class _InProgram(_Interpreter):
             (nonzero & (x < self.tiny)).sum(dtype=jnp.float32),
             (finite & (x > self.max)).sum(dtype=jnp.float32),
             nonzero.sum(dtype=jnp.float32),
-            (~is_finite).sum(dtype=jnp.float32),
+            jnp.isnan(x).sum(dtype=jnp.float32),
             jnp.where(nonzero & (x < self.tiny), x, 0.0).sum(),
             jnp.where(nonzero, x, 0.0).sum(),
         ]
@@ -952,6 +972,8 @@ class _InProgram(_Interpreter):
             keys=keys,
             dtype=self.dtype.name,
             matmul_layers=tuple(sorted(self.matmul_layers)),
+            judged="target" if self.under_policy else "all",
+            float32_layers=tuple(sorted(self.float32_layers)),
         )
 
 
@@ -999,7 +1021,8 @@ def value_and_grad_with_stats(
 
     def collecting(*args):
         closed, flat, cotangent, shapes = _with_seed(fun, args, argnums, has_aux)
-        interpreter = _InProgram(target)
+        under_policy = target != jnp.float32 and _computes_in(closed.jaxpr, target)
+        interpreter = _InProgram(target, under_policy)
         outs = interpreter.run(closed.jaxpr, closed.consts, flat, "", cotangent)
         value, grads = jax.tree.unflatten(jax.tree.structure(shapes), outs)
         return value, grads, interpreter.stats()

@@ -428,6 +428,13 @@ def test_nnx_layers_are_named_by_attribute_path(pattern):
         assert overrides == {"layers/0/norm": "float32", "layers/1/norm": "float32"}
         jmp.nnx.mixed_precision(_nnx_model(), "mixed_float16", overrides)  # every path matches
         assert not {e.layer for e in report.op_errors} & set(report.float32_layers)
+        # Statistics computed inside a jitted step judge the same way and advise the same.
+        f = jmp.value_and_grad_with_stats(loss)
+        in_program = jax.jit(f)(state, x)[2].report()
+        assert in_program.judged == "target"
+        assert in_program.float32_layers == report.float32_layers
+        assert in_program.advice()["overrides"] == overrides
+        assert in_program.advice()["loss_scale"] == report.advice()["loss_scale"]
 
 
 def test_equinox_and_named_scope_layers_are_named_by_path():
