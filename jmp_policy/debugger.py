@@ -1,7 +1,8 @@
 """A precision debugger: per-layer statistics of a loss's forward and backward pass.
 
-`debug_precision(loss_fn, *args)` traces the loss's value and gradient and runs them one
-operation at a time (eagerly, on the host's default device: a debugging tool, not a train step).
+`debug_precision(loss_fn, *args)` traces the loss's value and gradient and runs them as one
+program that returns every intermediate value (on the default device: a debugging tool, not a
+train step), then reads them operation by operation on the host.
 For every layer (a Linen module path, an NNX attribute path or an Equinox field path under the
 root module's class name, a `jax.named_scope`; "(top level)" outside any) and direction (forward:
 activations, backward: the values that carry the gradient) it records how close the values come
@@ -356,23 +357,25 @@ def _source(eqn: Any) -> str:
 
 # A masking constant, not data: what models write where attention may not look (float32's
 # lowest value as Flax does, -2.38e38, -1e30, -1e9 * 1e30, -inf...) is 1e30 or more in
-# magnitude, or exactly its dtype's largest value (float16's -65504). Left out of every
-# statistic and op error.
+# magnitude, or exactly its dtype's largest value (float16's -65504, in float16 or cast up to
+# float32 for a softmax). Left out of every statistic and op error, and so are the values an
+# operation derives from one near the target dtype's edge (-65504 minus the row maximum).
 _MASK_MAGNITUDE = 1e30
+_FLOAT16_LARGEST = 65504.0
 
 
 def _masks(magnitude: Any, dtype: Any) -> Any:
     """Where `magnitude` (|x|, finite) is a masking constant for values of `dtype`."""
     largest = float(jnp.finfo(dtype).max) if jnp.issubdtype(dtype, jnp.floating) else math.inf
-    return (magnitude >= _MASK_MAGNITUDE) | (magnitude == largest)
+    return (magnitude >= _MASK_MAGNITUDE) | (magnitude == largest) | (magnitude == _FLOAT16_LARGEST)
 
 
 def _carries_mask(values: Sequence[Any]) -> bool:
-    """Whether some floating value holds a masking constant or an infinity."""
+    """Whether some floating value (a literal too) holds a masking constant or an infinity."""
     return any(
-        bool((np.isinf(m) | _masks(m, v.dtype)).any())
+        bool((np.isinf(m) | _masks(m, np.asarray(v).dtype)).any())
         for v in values
-        if is_floating_array(v)
+        if is_floating_array(v) or isinstance(v, float)
         for m in [np.abs(np.asarray(v, np.float64))]
     )
 
@@ -390,27 +393,20 @@ class _Accumulator:
         self.matmul_layers: set[str] = set()
         self.float32_layers: set[str] = set()
 
-    def op_error(self, layer: str, eqn: Any, invals: list, outs: list, island: str | None) -> None:
-        """How much accuracy `eqn` loses in the target dtype, against float32.
+    def rerun(self, eqn: Any, invals: list, outs: list) -> list | None:
+        """`eqn` run again in the other precision (None: it is not judged).
 
         Under a policy, an operation that computed in the target dtype runs again with its
         inputs widened to float32; otherwise an operation on wider inputs runs again with them
-        rounded to the target dtype. Inside a float32 island nothing is judged.
+        rounded to the target dtype. Works on traced values (`_Collector`).
         """
-        name = eqn.primitive.name
-        if name in _MATMULS:
-            self.matmul_layers.add(layer)
-        if island is not None:
-            if island:
-                self.float32_layers.add(island)
-            return
         floating_out = [o for o in outs if is_floating_array(o)]
-        if not floating_out or name == "convert_element_type":
-            return  # a cast only rounds (an overflow shows as an inf it made)
+        if not floating_out or eqn.primitive.name == "convert_element_type":
+            return None  # a cast only rounds (an overflow shows as an inf it made)
         if self.under_policy:
             change = [is_floating_array(v) and jnp.dtype(v.dtype) == self.dtype for v in invals]
             if not any(o.dtype == self.dtype for o in floating_out):
-                return  # computed in float32 by the policy
+                return None  # computed in float32 by the policy
             into = jnp.dtype(jnp.float32)
         else:
             change = [
@@ -419,7 +415,7 @@ class _Accumulator:
             ]
             into = self.dtype
         if not any(change):
-            return
+            return None
         subfuns, params = bind_params(eqn.primitive, eqn.params)
         params = dict(params)
         if params.get("preferred_element_type") is not None:
@@ -430,28 +426,57 @@ class _Accumulator:
         try:
             rerun = eqn.primitive.bind(*subfuns, *cast, **params)
         except (TypeError, ValueError, NotImplementedError):
-            return  # no kernel in the target dtype: autocast runs such ops in float32
-        rerun = list(rerun) if eqn.primitive.multiple_results else [rerun]
+            return None  # no kernel in the target dtype: autocast runs such ops in float32
+        return list(rerun) if eqn.primitive.multiple_results else [rerun]
+
+    def op_error(
+        self,
+        layer: str,
+        eqn: Any,
+        invals: list,
+        outs: list,
+        island: str | None,
+        rerun: list | None,
+    ) -> None:
+        """How much accuracy `eqn` loses in the target dtype, against float32, from `rerun`
+        (`self.rerun`'s result). Inside a float32 island nothing is judged."""
+        if eqn.primitive.name in _MATMULS:
+            self.matmul_layers.add(layer)
+        if island is not None:
+            if island:
+                self.float32_layers.add(island)
+            return
+        if rerun is None:
+            return
         full, low = (rerun, outs) if self.under_policy else (outs, rerun)
         # A float16 mask (its lowest value) carried on by `x - max` overflows to -inf there:
         # near the target's edge, values derived from a mask are masks too.
         edge = self.max if _carries_mask(invals) else None
-        key = (layer, name)
+        key = (layer, eqn.primitive.name)
         error = _relative_error(full, low, self.unit_roundoff, edge)
         self.op_errors[key] = max(self.op_errors.get(key, 0.0), error)
 
-    def add(self, key: tuple[str, str], value: np.ndarray, island: str | None = None) -> None:
-        self._add(self.stats, key, value)
+    def add(
+        self,
+        key: tuple[str, str],
+        value: np.ndarray,
+        island: str | None = None,
+        from_mask: bool = False,
+    ) -> None:
+        """Counts `value`; `from_mask`: its operation's inputs held a mask."""
+        self._add(self.stats, key, value, from_mask)
         if self.under_policy and island is None and jnp.dtype(value.dtype) == self.dtype:
-            self._add(self.target_stats, key, value)
+            self._add(self.target_stats, key, value, from_mask)
 
-    def _add(self, stats: dict, key: tuple[str, str], value: np.ndarray) -> None:
+    def _add(self, stats: dict, key: tuple[str, str], value: np.ndarray, from_mask: bool) -> None:
         x = np.abs(np.asarray(value, np.float64)).ravel()
         finite = np.isfinite(x)
         # A masking constant (Flax's `jnp.finfo(jnp.float32).min` for -inf, a model's -2.38e38)
         # is not data: it would count as an overflow that compute-dtype masking never makes.
         # An infinity the model wrote (`where(mask, x, -inf)`) is a mask too; NaN is not.
         masked = (finite & _masks(x, value.dtype)) | np.isinf(x)
+        if from_mask:
+            masked |= finite & (x >= self.max / 2)
         xf = x[finite & ~masked]
         nonzero = xf[xf > 0]
         scaled = nonzero * (self.loss_scale if key[1] == "backward" else 1.0)
@@ -636,15 +661,17 @@ class _Interpreter:
         outs: list,
         gradient: bool | None = None,
         from_literals: bool = False,
+        rerun: list | None = None,
     ) -> None:
         key = _layer_and_direction(stack, gradient)
         island = _float32_island(stack)
         floats = [o for o in outs if is_floating_array(o)]
         if not from_literals:
+            from_mask = _carries_mask(invals)
             for value in floats:
-                self.acc.add(key, value, island)
+                self.acc.add(key, value, island, from_mask)
             if key[1] == "forward":
-                self.acc.op_error(key[0], eqn, invals, outs, island)
+                self.acc.op_error(key[0], eqn, invals, outs, island, rerun)
         if not floats or _all_finite(floats):
             return
         # A mask (1e30 or more, or its dtype's largest value) cast to or carried into a dtype
@@ -657,6 +684,66 @@ class _Interpreter:
                 self.origin = NonFiniteOrigin(eqn.primitive.name, key[0], key[1], _source(eqn), 0)
         else:
             self.passed_on += 1
+
+
+class _Collector(_Interpreter):
+    """Runs the program once under `jax.jit`, keeping what `_Interpreter._record` reads (every
+    recorded operation's inputs, outputs and re-run outputs) as outputs of that one program;
+    `replay` then records them on the host. One compile instead of one per operation."""
+
+    def __init__(self, acc: _Accumulator):
+        super().__init__(acc)
+        self.records: list = []
+        self.kept: list = []
+        self._index: dict[int, int] = {}
+
+    def _keep(self, value: Any) -> tuple[bool, Any]:
+        if isinstance(value, jax.Array):  # traced (or a constant): an output of the program
+            if id(value) not in self._index:
+                self._index[id(value)] = len(self.kept)
+                self.kept.append(value)  # kept alive: ids stay unique
+            return True, self._index[id(value)]
+        return False, value
+
+    def _record(
+        self,
+        eqn: Any,
+        stack: str,
+        invals: list,
+        outs: list,
+        gradient: bool | None = None,
+        from_literals: bool = False,
+        rerun: list | None = None,
+    ) -> None:
+        judged = (
+            not from_literals
+            and _layer_and_direction(stack, gradient)[1] == "forward"
+            and _float32_island(stack) is None
+        )
+        rerun = self.acc.rerun(eqn, invals, outs) if judged else None
+        self.records.append(
+            (
+                eqn,
+                stack,
+                gradient,
+                from_literals,
+                [self._keep(v) for v in invals],
+                [self._keep(o) for o in outs],
+                None if rerun is None else [self._keep(r) for r in rerun],
+            )
+        )
+
+    def replay(self, kept: Sequence[Any]) -> _Interpreter:
+        """Records every operation with the program's values, in program order."""
+        host = _Interpreter(self.acc)
+
+        def get(refs: list) -> list:
+            return [kept[v] if traced else v for traced, v in refs]
+
+        for eqn, stack, gradient, from_literals, invals, outs, rerun in self.records:
+            rerun = None if rerun is None else get(rerun)
+            host._record(eqn, stack, get(invals), get(outs), gradient, from_literals, rerun)
+        return host
 
 
 def _target_dtype(dtype: DTypeLike) -> np.dtype:
@@ -712,8 +799,9 @@ def debug_precision(
     """Per-layer statistics of `loss_fn(*args)`'s forward and backward pass in a target dtype.
 
     Traces `jax.value_and_grad(loss_fn, argnums)` (with the pullback's seed as an input, so
-    that what carries it is the backward pass) and runs it one operation at a time, so it sees
-    every intermediate value (nothing is jitted; use small example inputs). NNX and Equinox
+    that what carries it is the backward pass) and runs it as one compiled program that
+    returns every intermediate value, and each judged operation again in the other precision
+    (use small example inputs: every value is kept). NNX and Equinox
     modules called while it traces are named by their paths (see `jmp_policy._naming`).
 
     Args:
@@ -766,8 +854,15 @@ def debug_precision(
     closed, flat, cotangent, _ = _with_seed(on_arrays, arrays, argnums, has_aux=False)
     under_policy = target != jnp.float32 and _computes_in(closed.jaxpr, target)
     acc = _Accumulator(target, float(loss_scale), under_policy)
-    interpreter = _Interpreter(acc)
-    outs = interpreter.run(closed.jaxpr, closed.consts, flat, "", cotangent)
+    collector = _Collector(acc)
+
+    def program(flat):
+        return collector.run(closed.jaxpr, closed.consts, flat, "", cotangent), collector.kept
+
+    # Inputs rounded to the target dtype must stay rounded inside the one program.
+    compiled = jax.jit(program).lower(flat).compile({"xla_allow_excess_precision": False})
+    outs, kept = compiled(flat)
+    interpreter = collector.replay(kept)
     origin = interpreter.origin
     if origin is not None:
         origin = dataclasses.replace(origin, passed_on=interpreter.passed_on)
@@ -921,6 +1016,7 @@ class _InProgram(_Interpreter):
         outs: list,
         gradient: bool | None = None,
         from_literals: bool = False,
+        rerun: list | None = None,
     ) -> None:
         if from_literals:
             return
@@ -930,17 +1026,26 @@ class _InProgram(_Interpreter):
             self.float32_layers.add(island)
         if key[1] == "forward" and eqn.primitive.name in _MATMULS:
             self.matmul_layers.add(key[0])
+        carried = [
+            jnp.any(jnp.isinf(m) | _masks(m, v.dtype))
+            for v in invals
+            if is_floating_array(v) and v.size
+            for m in [jnp.abs(v.astype(jnp.float32))]
+        ]
+        from_mask = jnp.any(jnp.stack(carried)) if carried else jnp.asarray(False)
         for value in outs:
             if is_floating_array(value) and value.size:
-                self._add(key, value)
+                self._add(key, value, from_mask)
                 if self.under_policy and island is None and value.dtype == self.dtype:
-                    self._add((*key, "target"), value)
+                    self._add((*key, "target"), value, from_mask)
 
-    def _add(self, key: tuple, value: jax.Array) -> None:
+    def _add(self, key: tuple, value: jax.Array, from_mask: jax.Array) -> None:
         x = jnp.abs(value.astype(jnp.float32)).ravel()
         is_finite = jnp.isfinite(x)
-        # As `debug_precision` counts them: masking constants and infinities are masks.
+        # As `debug_precision` counts them: masking constants and infinities are masks, and
+        # values derived from a mask near the target dtype's edge.
         masked = (is_finite & _masks(x, value.dtype)) | jnp.isinf(x)
+        masked |= is_finite & from_mask & (x >= self.max / 2)
         finite = is_finite & ~masked
         nonzero = finite & (x > 0)
         new = [
