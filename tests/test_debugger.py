@@ -343,14 +343,31 @@ def test_advice_on_a_transformer_keeps_every_matmul_in_half_precision():
     assert share == 1.0
 
 
-@pytest.mark.parametrize("fill", [-2.38e38, -1e30, -math.inf])
-def test_a_mask_of_any_large_constant_is_left_out(fill):
+@pytest.mark.parametrize(
+    "fill, how, dtype",
+    [
+        (-2.38e38, "where", jnp.float32),
+        (-1e30, "where", jnp.float32),
+        (-math.inf, "where", jnp.float32),
+        (-1e30, "added", jnp.float32),
+        (float(jnp.finfo(jnp.float32).min), "added", jnp.float32),
+        (float(jnp.finfo(jnp.float16).min), "where", jnp.float16),  # a float16 model's own
+        (float(jnp.finfo(jnp.float16).min), "added", jnp.float16),
+    ],
+)
+def test_a_mask_of_any_large_constant_is_left_out(fill, how, dtype):
     # Models choose their own masking constant (an NNX transformer wrote -2.38e38, not
-    # float32's lowest value); every one of 1e30 or more is a mask, and so are the values the
-    # softmax derives from it (x - max stays beyond 1e30).
+    # float32's lowest value); every one of 1e30 or more is a mask, and the dtype's lowest, and
+    # so are the values the softmax derives from it (x - max, beyond 1e30 or float16's edge),
+    # whether the model selects it (`where`) or adds it to the logits.
     def loss(w, x):
-        logits = (x @ w) @ (x @ w).T
-        masked = jnp.where(jnp.tril(jnp.ones(logits.shape, bool)), logits, fill)
+        h = (x @ w).astype(dtype)
+        logits = h @ h.T
+        causal = jnp.tril(jnp.ones(logits.shape, bool))
+        if how == "where":
+            masked = jnp.where(causal, logits, jnp.asarray(fill, dtype))
+        else:
+            masked = logits + jnp.where(causal, 0.0, fill).astype(dtype)
         return jnp.mean(jax.nn.softmax(masked.astype(jnp.float32), axis=-1) ** 2)
 
     w = jax.random.normal(jax.random.key(0), (8, 8)) * 0.1
