@@ -193,12 +193,17 @@ def measure(
     reduce_dtypes=("float32", None),
     integrations=("linen", "nnx", "autocast"),
     timed=False,
+    baselines=None,
 ):
+    """One row per configuration; `baselines`: the layouts that also get the float32 and
+    hand-cast bfloat16 rows (default: every layout)."""
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = []
     for layout in layouts:
         for integration, policy in CONFIGS:
             if integration not in (*integrations, "float32", "cast_bf16"):
+                continue
+            if integration in ("float32", "cast_bf16") and layout not in (baselines or layouts):
                 continue
             for reduce_dtype in reduce_dtypes:
                 if reduce_dtype is None and (
@@ -264,12 +269,16 @@ def table(rows) -> str:
         + (" step ms |" if timed else ""),
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if timed else ""),
     ]
+
+    def ratio(value, to):
+        return f"{value / to:.2f}x" if to else "-"  # "-": that layout's baseline was not run
+
     for r in rows:
         lines.append(
             f"| {r['layout']} | {r['integration']} | {r['policy']} | {r['reduce_dtype']} | "
             f"{_kinds(r['partitioned'])} | {r['partitioned_bytes']:,} | "
-            f"{r['partitioned_bytes'] / base[r['layout']]:.2f}x | "
-            f"{r['partitioned_bytes'] / cast[r['layout']]:.2f}x | {_kinds(r['hlo'])} | "
+            f"{ratio(r['partitioned_bytes'], base.get(r['layout']))} | "
+            f"{ratio(r['partitioned_bytes'], cast.get(r['layout']))} | {_kinds(r['hlo'])} | "
             f"{r['temp_bytes'] / 1024:,.0f} |" + (f" {r['step_ms']:.2f} |" if timed else "")
         )
     return "\n".join(lines)
@@ -313,6 +322,10 @@ def main(argv=None):
     parser.add_argument("--integrations", default="linen,nnx,autocast")
     parser.add_argument("--reduce-dtypes", default="float32,None")
     parser.add_argument("--time", action="store_true", help="also time each step")
+    parser.add_argument(
+        "--baselines",
+        help="layouts that get the float32 and bfloat16-cast rows (default: all; none: no rows)",
+    )
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)  # compiles must run: dumps
     if jax.device_count() < 2:
@@ -323,6 +336,7 @@ def main(argv=None):
         reduce_dtypes,
         tuple(args.integrations.split(",")),
         timed=args.time,
+        baselines=None if args.baselines is None else tuple(args.baselines.split(",")),
     )
     text = table(rows) + ("\n" + fsdp_table(rows) if args.time else "")
     if args.json == "-":  # the rows on the first line of stdout, then the table

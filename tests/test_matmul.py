@@ -214,13 +214,17 @@ def _kinds(found):
     return {(kind, dtype) for kind, dtype, _ in found}
 
 
-@pytest.fixture(scope="module")
-def four_devices():
-    return _collectives(4)
+def test_gradients_cross_the_wire_in_float32_on_4_devices():
+    # One run of the benchmark (its compiles are most of the time), two checks of its rows:
+    # the dtypes of every collective, then the bytes. The float32 and hand-cast rows are
+    # compared with under FSDP only.
+    rows = _collectives(4, "--baselines", "fsdp")
+    _check_dtypes_on_the_wire(rows)
+    _check_bytes_against_float32_and_a_bfloat16_cast(rows)
 
 
-def test_gradients_cross_the_wire_in_float32_on_4_devices(four_devices):
-    for row in four_devices:
+def _check_dtypes_on_the_wire(rows):
+    for row in rows:
         half = row["policy"] != "float32" and row["integration"] not in ("float32", "cast_bf16")
         if not half:
             continue
@@ -247,8 +251,8 @@ def test_gradients_cross_the_wire_in_float32_on_4_devices(four_devices):
             assert not gathers, where
 
 
-def test_bytes_on_the_wire_against_float32_and_a_bfloat16_cast(four_devices):
-    by = {(r["layout"], r["integration"], r["policy"], r["reduce_dtype"]): r for r in four_devices}
+def _check_bytes_against_float32_and_a_bfloat16_cast(rows):
+    by = {(r["layout"], r["integration"], r["policy"], r["reduce_dtype"]): r for r in rows}
     f32 = by[("fsdp", "float32", "float32", "float32")]["partitioned_bytes"]
     cast = by[("fsdp", "cast_bf16", "float32", "float32")]["partitioned_bytes"]
     assert cast * 2 == f32  # everything in bfloat16
@@ -266,7 +270,7 @@ def test_bytes_on_the_wire_against_float32_and_a_bfloat16_cast(four_devices):
 
 def test_gradients_cross_the_wire_in_float32_on_8_devices():
     # Every layout again, with 8 devices (32 rows of each kernel per device under FSDP).
-    rows = _collectives(8, "--reduce-dtypes", "float32")
+    rows = _collectives(8, "--reduce-dtypes", "float32", "--baselines", "none")
     for row in rows:
         if row["integration"] in ("float32", "cast_bf16"):
             continue
