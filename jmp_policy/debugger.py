@@ -1026,29 +1026,25 @@ class _InProgram(_Interpreter):
             self.float32_layers.add(island)
         if key[1] == "forward" and eqn.primitive.name in _MATMULS:
             self.matmul_layers.add(key[0])
-        carried = [
-            jnp.any(jnp.isinf(m) | _masks(m, v.dtype))
-            for v in invals
-            if is_floating_array(v) and v.size
-            for m in [jnp.abs(v.astype(jnp.float32))]
-        ]
-        from_mask = jnp.any(jnp.stack(carried)) if carried else jnp.asarray(False)
         for value in outs:
             if is_floating_array(value) and value.size:
-                self._add(key, value, from_mask)
+                new = self._columns(value)
+                self._merge(key, new)
                 if self.under_policy and island is None and value.dtype == self.dtype:
-                    self._add((*key, "target"), value, from_mask)
+                    self._merge((*key, "target"), new)
 
-    def _add(self, key: tuple, value: jax.Array, from_mask: jax.Array) -> None:
+    def _columns(self, value: jax.Array) -> list:
+        """The nine columns for `value`."""
         x = jnp.abs(value.astype(jnp.float32)).ravel()
         is_finite = jnp.isfinite(x)
-        # As `debug_precision` counts them: masking constants and infinities are masks, and
-        # values derived from a mask near the target dtype's edge.
+        # As `debug_precision` counts them: masking constants and infinities are masks. (Not
+        # the values derived from a mask near the target's edge: telling them apart in the
+        # program costs a third more compile time. Under a policy the advice reads the
+        # target-dtype rows, which cannot hold them.)
         masked = (is_finite & _masks(x, value.dtype)) | jnp.isinf(x)
-        masked |= is_finite & from_mask & (x >= self.max / 2)
         finite = is_finite & ~masked
         nonzero = finite & (x > 0)
-        new = [
+        return [
             jnp.float32(x.size) - masked.sum(dtype=jnp.float32),
             jnp.max(jnp.where(finite, x, 0.0)),
             jnp.min(jnp.where(nonzero, x, jnp.inf)),
@@ -1059,6 +1055,8 @@ class _InProgram(_Interpreter):
             jnp.where(nonzero & (x < self.tiny), x, 0.0).sum(),
             jnp.where(nonzero, x, 0.0).sum(),
         ]
+
+    def _merge(self, key: tuple, new: list) -> None:
         old = self.raw.get(key)
         if old is not None:
             combine = (jnp.add, jnp.maximum, jnp.minimum) + (jnp.add,) * 6
