@@ -370,12 +370,21 @@ def _masks(magnitude: Any, dtype: Any) -> Any:
     return (magnitude >= _MASK_MAGNITUDE) | (magnitude == largest) | (magnitude == _FLOAT16_LARGEST)
 
 
+def _is_float_value(v: Any) -> bool:
+    """A floating array, NumPy scalar or Python float, or a literal's value (JAX 0.8 keeps
+    those in an array type of its own)."""
+    if isinstance(v, float) or is_floating_array(v):
+        return True
+    dtype = getattr(v, "dtype", None)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
+
+
 def _carries_mask(values: Sequence[Any]) -> bool:
     """Whether some floating value (a literal too) holds a masking constant or an infinity."""
     return any(
         bool((np.isinf(m) | _masks(m, np.asarray(v).dtype)).any())
         for v in values
-        if is_floating_array(v) or isinstance(v, float)
+        if _is_float_value(v)
         for m in [np.abs(np.asarray(v, np.float64))]
     )
 
@@ -551,9 +560,7 @@ def _layer_stats(raw: dict, largest: float, loss_scale: float) -> tuple[LayerSta
 def _all_finite(values: Sequence[Any]) -> bool:
     # Python floats too: a literal -inf (a mask the model wrote) is an inf passed on, not made.
     return all(
-        bool(np.isfinite(np.asarray(v, np.float64)).all())
-        for v in values
-        if is_floating_array(v) or isinstance(v, float)
+        bool(np.isfinite(np.asarray(v, np.float64)).all()) for v in values if _is_float_value(v)
     )
 
 
