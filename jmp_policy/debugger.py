@@ -673,8 +673,8 @@ class _Interpreter:
         key = _layer_and_direction(stack, gradient)
         island = _float32_island(stack)
         floats = [o for o in outs if is_floating_array(o)]
+        from_mask = _carries_mask(invals)
         if not from_literals:
-            from_mask = _carries_mask(invals)
             for value in floats:
                 self.acc.add(key, value, island, from_mask)
             if key[1] == "forward":
@@ -683,7 +683,7 @@ class _Interpreter:
             return
         # A mask (1e30 or more, or its dtype's largest value) cast to or carried into a dtype
         # that cannot hold it becomes -inf: still a mask, not an overflow. A NaN is never one.
-        mask_carried = _carries_mask(invals) and not any(
+        mask_carried = from_mask and not any(
             np.isnan(np.asarray(o, np.float64)).any() for o in floats
         )
         if _all_finite(invals) and not mask_carried:
