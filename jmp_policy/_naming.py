@@ -8,7 +8,8 @@ or field path relative to it (`Transformer/layers/0/attn`). A module rebuilt ins
 transform (a scan or vmap body) is a root of its own, inside its caller's scope.
 
 Calls are intercepted by replacing `__call__` on the module classes for the duration of the
-trace (and only then); the debugger uses it, nothing in a train step does.
+trace (and only then; other threads' calls pass straight through); the debugger uses it,
+nothing in a train step does.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def _submodules(root: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
 def _named(original: Any) -> Any:
     def __call__(self, *args, **kwargs):
         call = original.__get__(self, type(self))
+        if not active():  # another thread, tracing while the classes are patched
+            return call(*args, **kwargs)
         stack = _STATE.stack
         if stack and stack[-1][0] is self:  # super().__call__: already in its scope
             return call(*args, **kwargs)

@@ -610,3 +610,25 @@ def test_advice_holds_for_dynamic_loss_scaling_under_the_policy(make, norms):
     assert np.isfinite(advised_losses).all()
     assert advised_losses[-5:].mean() < 0.2 * advised_losses[0]  # it learns
     assert abs(advised_losses[-5:].mean() / dynamic_losses[-5:].mean() - 1) < 0.1
+
+
+def test_other_threads_call_modules_as_they_are_while_the_debugger_names_them():
+    import threading
+
+    from flax import nnx
+
+    from jmp_policy import _naming
+
+    layer, errors = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), []
+
+    def other():
+        try:
+            assert layer(jnp.ones((2, 4))).shape == (2, 4)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    with _naming.module_names():  # the classes are patched while this thread traces
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    assert errors == []
