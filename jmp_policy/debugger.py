@@ -782,15 +782,13 @@ def _with_seed(
             return fun(*full)
 
         value, pullback, *aux = jax.vjp(of_diff, *(args[i] for i in diff), has_aux=has_aux)
-        grads = pullback(seed)
+        if jnp.shape(value) != () or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+            raise TypeError(f"Expected `loss_fn` to return a floating scalar, got {value}.")
+        grads = pullback(seed.astype(jnp.result_type(value)))  # the cast carries the seed too
         return (value, *aux) if has_aux else value, grads[0] if isinstance(argnums, int) else grads
 
+    seed = jnp.ones((), jnp.float32)
     with _naming.module_names():  # NNX and Equinox modules named by their paths
-        out = jax.eval_shape(fun, *args)
-        value = out[0] if has_aux else out
-        if not (isinstance(value, jax.ShapeDtypeStruct) and value.shape == ()):
-            raise TypeError(f"Expected `loss_fn` to return a scalar loss, got {value}.")
-        seed = jnp.ones((), value.dtype)
         closed, shapes = jax.make_jaxpr(value_and_pullback, return_shape=True)(list(args), seed)
     flat = [*jax.tree.leaves(list(args)), seed]
     return closed, flat, [False] * (len(flat) - 1) + [True], shapes
