@@ -565,10 +565,7 @@ def _all_finite(values: Sequence[Any]) -> bool:
 
 
 class _Interpreter:
-    def __init__(self, acc: _Accumulator):
-        self.acc = acc
-        self.origin: NonFiniteOrigin | None = None
-        self.passed_on = 0
+    """Runs a jaxpr equation by equation (calls inlined); `_record` sees each operation."""
 
     def run(
         self,
@@ -668,10 +665,29 @@ class _Interpreter:
         outs: list,
         gradient: bool | None = None,
         from_literals: bool = False,
-        rerun: list | None = None,
     ) -> None:
-        key = _layer_and_direction(stack, gradient)
-        island = _float32_island(stack)
+        raise NotImplementedError
+
+
+class _Host:
+    """Records operations with their values on the host: statistics, op errors, the first
+    inf/NaN."""
+
+    def __init__(self, acc: _Accumulator):
+        self.acc = acc
+        self.origin: NonFiniteOrigin | None = None
+        self.passed_on = 0
+
+    def record(
+        self,
+        eqn: Any,
+        key: tuple[str, str],
+        island: str | None,
+        from_literals: bool,
+        invals: list,
+        outs: list,
+        rerun: list | None,
+    ) -> None:
         floats = [o for o in outs if is_floating_array(o)]
         from_mask = _carries_mask(invals)
         if not from_literals:
@@ -699,7 +715,7 @@ class _Collector(_Interpreter):
     `replay` then records them on the host. One compile instead of one per operation."""
 
     def __init__(self, acc: _Accumulator):
-        super().__init__(acc)
+        self.acc = acc
         self.records: list = []
         self.kept: list = []
         self._index: dict[int, int] = {}
@@ -720,19 +736,16 @@ class _Collector(_Interpreter):
         outs: list,
         gradient: bool | None = None,
         from_literals: bool = False,
-        rerun: list | None = None,
     ) -> None:
-        judged = (
-            not from_literals
-            and _layer_and_direction(stack, gradient)[1] == "forward"
-            and _float32_island(stack) is None
-        )
+        key = _layer_and_direction(stack, gradient)
+        island = _float32_island(stack)
+        judged = not from_literals and key[1] == "forward" and island is None
         rerun = self.acc.rerun(eqn, invals, outs) if judged else None
         self.records.append(
             (
                 eqn,
-                stack,
-                gradient,
+                key,
+                island,
                 from_literals,
                 [self._keep(v) for v in invals],
                 [self._keep(o) for o in outs],
@@ -740,16 +753,16 @@ class _Collector(_Interpreter):
             )
         )
 
-    def replay(self, kept: Sequence[Any]) -> _Interpreter:
+    def replay(self, kept: Sequence[Any]) -> _Host:
         """Records every operation with the program's values, in program order."""
-        host = _Interpreter(self.acc)
+        host = _Host(self.acc)
 
         def get(refs: list) -> list:
             return [kept[v] if traced else v for traced, v in refs]
 
-        for eqn, stack, gradient, from_literals, invals, outs, rerun in self.records:
+        for eqn, key, island, from_literals, invals, outs, rerun in self.records:
             rerun = None if rerun is None else get(rerun)
-            host._record(eqn, stack, get(invals), get(outs), gradient, from_literals, rerun)
+            host.record(eqn, key, island, from_literals, get(invals), get(outs), rerun)
         return host
 
 
@@ -867,10 +880,10 @@ def debug_precision(
     # Inputs rounded to the target dtype must stay rounded inside the one program.
     compiled = jax.jit(program).lower(flat).compile({"xla_allow_excess_precision": False})
     outs, kept = compiled(flat)
-    interpreter = collector.replay(kept)
-    origin = interpreter.origin
+    host = collector.replay(kept)
+    origin = host.origin
     if origin is not None:
-        origin = dataclasses.replace(origin, passed_on=interpreter.passed_on)
+        origin = dataclasses.replace(origin, passed_on=host.passed_on)
     measured = [OpError(layer, op, error) for (layer, op), error in acc.op_errors.items()]
     op_errors = tuple(sorted(measured, key=lambda e: -e.error))
     return PrecisionDebugReport(
@@ -1025,7 +1038,6 @@ class _InProgram(_Interpreter):
         outs: list,
         gradient: bool | None = None,
         from_literals: bool = False,
-        rerun: list | None = None,
     ) -> None:
         if from_literals:
             return
