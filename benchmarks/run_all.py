@@ -59,7 +59,8 @@ def collectives(quick: bool) -> str:
     """`bench_collectives.py` on 4 forced CPU devices, in its own process (the device count is
     fixed when JAX starts). Quick: FSDP under Linen only, untimed."""
     flags = ["--layouts", "fsdp", "--integrations", "linen", "--reduce-dtypes", "float32"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    xla = os.environ.get("XLA_FLAGS", "")  # kept (the suite's LLVM level, a user's own)
+    env = {**os.environ, "XLA_FLAGS": f"{xla} --xla_force_host_platform_device_count=4".strip()}
     out = subprocess.run(
         [sys.executable, str(HERE / "bench_collectives.py"), *(flags if quick else ["--time"])],
         capture_output=True, text=True, env=env, check=True,

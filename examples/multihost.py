@@ -44,11 +44,14 @@ def free_port() -> int:
 def launch(args) -> list[dict]:
     """Starts the worker processes, waits (bounded), and returns their reports."""
     port = free_port()
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}",
-    }
+    # The caller's XLA flags stay; the device count is this launch's.
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    flags.append(f"--xla_force_host_platform_device_count={args.devices}")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
     base = [sys.executable, os.path.abspath(__file__), "--worker", "--port", str(port)]
     passthrough = [a for a in sys.argv[1:] if a != "--worker"] if args.argv is None else args.argv
     procs = [

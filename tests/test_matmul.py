@@ -2,7 +2,6 @@
 Flax integrations and autocast, down to the collectives of compiled multi-device steps."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from forced_devices import env_with_devices
 from jax import lax
 
 import jmp_policy as jmp
@@ -200,10 +200,9 @@ def test_linen_under_nn_scan_casts_each_layer_inside_the_loop():
 
 
 def _collectives(devices, *flags):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_collectives.py"), "--json", "-", *flags],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, env=env_with_devices(devices), timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     print(out.stdout.split("\n\n", 1)[-1][-6000:])

@@ -6,26 +6,22 @@ of the suite keeps one device.
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from forced_devices import env_with_devices
 
 SCRIPT = pathlib.Path(__file__).with_name("multidevice_script.py")
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
     out = subprocess.run(
-        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, str(SCRIPT)],
+        env=env_with_devices(8), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
