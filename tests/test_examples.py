@@ -77,8 +77,8 @@ def test_demo_fast(tmp_path, capsys):
     # autocast(mixed_bfloat16) runs in bfloat16.
     policies = ["float32", "mixed_float16", "mixed_float8"]
     runs = load("examples/demo.py").main(
-        ["--steps", "12", "--val-batches", "2", "--quiet", "--out", str(tmp_path),
-         "--policies", ",".join(policies)]
+        ["--steps", "6", "--batch", "8", "--length", "32", "--val-batches", "2", "--quiet",
+         "--out", str(tmp_path), "--policies", ",".join(policies)]
     )  # fmt: skip
     # --advice (debug_precision's overrides for mixed_float16): its precision_advice is run and
     # checked on this model by test_debugger's test_advice_on_a_transformer_keeps_every_matmul...
