@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -116,7 +117,8 @@ _STRUCTURAL = frozenset(
     {"jit", "pjit", "closed_call", "core_call", "scan", "while", "cond", "remat2", "checkpoint"}
 )
 # Regions made by autocast/full_precision: kept as they are when nested.
-_REGION_NAMES = ("jmp_autocast_region", "jmp_full_precision_region")
+_REGION_NAMES = ("jmp_autocast_region", "jmp_full_precision_region", "jmp_cast_at_use")
+_CAST_AT_USE = "jmp_cast_at_use"
 _FLOAT32 = np.dtype(np.float32)
 # Run through `jmp_policy.matmul.mixed` when `reduce_dtype`/`accumulate_dtype` ask for it,
 # with lax's functions (they take the equations' parameters as keywords).
@@ -138,6 +140,9 @@ class _Rules:
     # the matmul's result in `accumulate` (None: the compute dtype).
     reduce: bool = False
     accumulate: np.dtype | None = None
+    # `cast_at_use`: the program runs as traced, but for matmuls on a value just cast down
+    # from float32 (`_eval_cast_at_use`).
+    at_use: bool = False
 
     @classmethod
     def of(
@@ -260,6 +265,8 @@ def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
     name = eqn.primitive.name
     if name in _STRUCTURAL:
         return _eval_structural(eqn, invals, rules)
+    if rules.at_use:
+        return _eval_cast_at_use(eqn, invals)
     has_subprogram = bool(list(jaxprs_in_params(eqn.params)))
     if (
         has_subprogram
@@ -286,6 +293,74 @@ def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
         if not any(jnp.finfo(invals[i].dtype).bits < 32 for i in floating):
             raise
         return _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+
+
+# The weights and their casts in the program being evaluated (`cast_at_use`), one entry per
+# evaluation on this thread: ({id(weight): weight}, {id(half cast): (half cast, weight)}).
+_DOWNCASTS = threading.local()
+
+
+def _downcasts() -> dict:
+    return _DOWNCASTS.stack[-1][1]
+
+
+# Shape-only operations a weight's cast is moved past, and elementwise ones whose implicit
+# broadcast of a weight is made explicit before the cast (`_eval_cast_at_use`).
+_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims"})
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min"})
+
+
+def _eval_cast_at_use(eqn: Any, invals: list) -> list:
+    """An equation as traced, except on a weight's cast down from float32:
+    - a matmul or conv takes the float32 weight and casts it inside
+      `jmp_policy.matmul.mixed`, so its gradient is made in float32;
+    - a shape-only operation runs on the float32 weight and is cast after it, and an
+      elementwise one that broadcasts the weight (a bias added to a batch) gets it
+      broadcast in float32 first, so the sum over the batch that is its gradient runs in
+      float32.
+    Either way the forward values are the same, and the gradient is summed across devices
+    in float32."""
+    name = eqn.primitive.name
+    if name in _SHAPE_OPS and invals and id(invals[0]) in _downcasts():
+        half, weight = _downcasts()[id(invals[0])]
+        (wide,) = _bind(eqn, [weight, *invals[1:]])
+        out = _cast(wide, half.dtype)
+        _downcasts()[id(out)] = (out, wide)
+        return [out]
+    if name in _ELEMENTWISE:
+        shape = eqn.outvars[0].aval.shape
+        invals = [
+            _cast(jnp.broadcast_to(_downcasts()[id(x)][1], shape), x.dtype)
+            if id(x) in _downcasts() and np.shape(x) != shape and np.ndim(x) == len(shape)
+            else x
+            for x in invals
+        ]
+    if name in _MIXED:
+        found = [_downcasts().get(id(x)) for x in invals]
+        if any(f is not None for f in found):
+            compute = next(x.dtype for x, f in zip(invals, found, strict=True) if f is not None)
+            lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
+            preferred = eqn.params.get("preferred_element_type")
+            wider = preferred is not None and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
+
+            def op(lhs, rhs, preferred):
+                return _LAX_MATMULS[name](
+                    lhs, rhs, **{**eqn.params, "preferred_element_type": preferred}
+                )
+
+            with _source_context(eqn):
+                out = mixed(op, compute, preferred if wider else None, lhs, rhs)
+            return [_cast(out, eqn.outvars[0].aval.dtype)]
+    outs = _bind(eqn, invals)
+    if (
+        name == "convert_element_type"
+        and id(invals[0]) in _DOWNCASTS.stack[-1][0]
+        and invals[0].dtype == _FLOAT32
+        and _is_float(outs[0])
+        and jnp.finfo(outs[0].dtype).bits == 16
+    ):
+        _downcasts()[id(outs[0])] = (outs[0], invals[0])
+    return outs
 
 
 def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> list:
@@ -474,12 +549,22 @@ class _Autocast:
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
         out_tree = jax.tree.structure(out_shape)
         rules, cast_inputs = self._rules, self._cast_inputs
+        # `cast_at_use`: the traced leaves of the first argument are the weights.
+        first = in_tree.children()[0].children()[0].num_leaves if n_args else 0
+        n_weights = sum(isinstance(s, jax.ShapeDtypeStruct) for s in specs[:first])
 
         def region(*flat):
             if cast_inputs:
                 flat = [_cast(x, rules.compute) for x in flat]
-            outs = _eval_closed(closed, list(flat), rules)
-            return [_cast(o, rules.output) for o in outs]
+            if not rules.at_use:
+                return [_cast(o, rules.output) for o in _eval_closed(closed, list(flat), rules)]
+            if not hasattr(_DOWNCASTS, "stack"):
+                _DOWNCASTS.stack = []
+            _DOWNCASTS.stack.append(({id(w): w for w in flat[:n_weights]}, {}))
+            try:
+                return _eval_closed(closed, list(flat), rules)  # the output dtypes as traced
+            finally:
+                _DOWNCASTS.stack.pop()
 
         region.__name__ = region.__qualname__ = self._region_name
         return jax.jit(region), out_tree, closed
@@ -644,6 +729,20 @@ def autocast(
         cast_inputs=False,
         region_name="jmp_autocast_region",
     )
+
+
+def cast_at_use(fun: Callable) -> Callable:
+    """`fun(weights, *args, **kwargs)` as written, except that each matmul or conv
+    (`dot_general`, `conv_general_dilated`) on a float32 leaf of `weights` cast to 16 bits
+    takes the float32 leaf and casts it inside the op (`jmp_policy.matmul.mixed`): the
+    same forward pass, and the weight's gradient made, and summed across devices, in
+    float32 (activation gradients stay in 16 bits). What `linen.mixed_precision` runs
+    `apply` under when `reduce_dtype` is float32 and a layer has no matmul to take over
+    (`nn.Einsum`, `nn.ConvTranspose`, your own `x @ self.param(...)`). Only a cast of the
+    leaf itself counts: a weight sliced first (a layer of `nn.scan`'s stacked
+    parameters) keeps its gradient in the compute dtype."""
+    rules = _Rules(_FLOAT32, _FLOAT32, frozenset(), frozenset(), reduce=True, at_use=True)
+    return _Autocast(fun, rules, (), (), cast_inputs=False, region_name=_CAST_AT_USE)
 
 
 def full_precision(fun: Callable) -> Callable:
