@@ -27,6 +27,7 @@ from flax.core import unfreeze
 
 from jmp_policy import matmul
 from jmp_policy._pytree import signature, split_traced
+from jmp_policy.autocast import cast_at_use as cast_at_use_program
 from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
 from jmp_policy.overrides import FLOAT32, Overrides, is_compute_dtype, island_scope
@@ -73,6 +74,10 @@ class MixedPrecisionModule:
         # Module paths of Flax layers that cast their own parameters where they use them
         # (a `promote_dtype` field): their parameters are not cast before the call.
         self._cast_at_use: dict[Any, set[tuple[str, ...]]] = {}
+        # Module paths of modules whose matmuls are not taken over (`_weights_cast_inside`):
+        # where they own parameters, `apply` runs under `autocast.cast_at_use`.
+        self._not_taken_over: dict[Any, set[tuple[str, ...]]] = {}
+        self._at_use: dict[Any, Any] = {}
         self._stack: list[Policy] = []
         self._checked: set[Any] = set()
 
@@ -87,7 +92,9 @@ class MixedPrecisionModule:
             return own
         return self._stack[-1] if self._stack else self.policy
 
-    def _interceptor(self, record: dict | None, cast_at_use: set | None = None):
+    def _interceptor(
+        self, record: dict | None, cast_at_use: set | None = None, not_taken_over: set | None = None
+    ):
         def intercept(next_fun, args, kwargs, context):
             if context.method_name == "setup" or (
                 context.method_name.startswith("_") and context.method_name != "__call__"
@@ -104,6 +111,8 @@ class MixedPrecisionModule:
                     module, "__dataclass_fields__", {}
                 ):
                     cast_at_use.add(path)
+                if not_taken_over is not None and not isinstance(module, _TAKEN_OVER):
+                    not_taken_over.add(path)
                 self._stack.append(policy)
                 try:
                     return next_fun(*args, **kwargs)
@@ -145,19 +154,16 @@ class MixedPrecisionModule:
 
         return intercept
 
-    def _run(self, fn, record=None, cast_at_use=None):
+    def _run(self, fn, record=None, cast_at_use=None, not_taken_over=None):
         self._stack = []
-        with nn.intercept_methods(self._interceptor(record, cast_at_use)):
+        with nn.intercept_methods(self._interceptor(record, cast_at_use, not_taken_over)):
             return fn()
 
     # --- parameters -----------------------------------------------------------
 
     def _module_policy(self, path_policies, param_path: tuple[str, ...]) -> Policy:
-        # A parameter belongs to the innermost recorded module above it.
-        for cut in range(len(param_path), -1, -1):
-            if param_path[:cut] in path_policies:
-                return path_policies[param_path[:cut]]
-        return self.policy
+        owner = _owner(path_policies, param_path)
+        return self.policy if owner is None else path_policies[owner]
 
     def _cast_params(
         self, params, path_policies, to: str, cast_at_use: Collection[tuple[str, ...]] = ()
@@ -175,6 +181,7 @@ class MixedPrecisionModule:
         if key not in self._path_policies:
             record: dict[tuple[str, ...], Policy] = {}
             cast_at_use: set[tuple[str, ...]] = set()
+            not_taken_over: set[tuple[str, ...]] = set()
             # Only arrays are traced; flags such as `train=False` and callables
             # such as `capture_intermediates` are passed through as they are.
             arrays, rebuild = split_traced((variables, args, kwargs))
@@ -183,9 +190,10 @@ class MixedPrecisionModule:
                 v, a, k = rebuild(arrays)
                 return self.module.apply(v, *a, method=method, mutable=True, **k)
 
-            self._run(lambda: jax.eval_shape(run, arrays), record, cast_at_use)
+            self._run(lambda: jax.eval_shape(run, arrays), record, cast_at_use, not_taken_over)
             self._path_policies[key] = record
             self._cast_at_use[key] = cast_at_use
+            self._not_taken_over[key] = not_taken_over
             self.overrides.warn_unmatched()
         return self._path_policies[key], self._cast_at_use[key]
 
@@ -195,12 +203,18 @@ class MixedPrecisionModule:
         """Like `module.init`; parameters are stored in each module's `param_dtype`."""
         record: dict[tuple[str, ...], Policy] = {}
         cast_at_use: set[tuple[str, ...]] = set()
+        not_taken_over: set[tuple[str, ...]] = set()
         variables = self._run(
-            lambda: self.module.init(rngs, *args, method=method, **kwargs), record, cast_at_use
+            lambda: self.module.init(rngs, *args, method=method, **kwargs),
+            record,
+            cast_at_use,
+            not_taken_over,
         )
-        if _call_key(method, args, kwargs) not in self._path_policies:
-            self._path_policies[_call_key(method, args, kwargs)] = record
-            self._cast_at_use[_call_key(method, args, kwargs)] = cast_at_use
+        key = _call_key(method, args, kwargs)
+        if key not in self._path_policies:
+            self._path_policies[key] = record
+            self._cast_at_use[key] = cast_at_use
+            self._not_taken_over[key] = not_taken_over
         self.overrides.warn_unmatched()
         variables = unfreeze(variables)
         if "params" in variables:
@@ -217,11 +231,12 @@ class MixedPrecisionModule:
         variables = unfreeze(variables)
         key = _call_key(method, args, kwargs)
         path_policies, cast_at_use = self._learn_paths(key, variables, args, kwargs, method)
-        cast_vars = dict(variables)
-        if "params" in variables:
-            cast_vars["params"] = self._cast_params(
-                variables["params"], path_policies, "compute", cast_at_use
-            )
+
+        def cast(variables):
+            if "params" not in variables:
+                return variables
+            params = self._cast_params(variables["params"], path_policies, "compute", cast_at_use)
+            return {**variables, "params": params}
 
         def run(cast_vars, args, kwargs):
             return self._run(
@@ -230,6 +245,8 @@ class MixedPrecisionModule:
                 )
             )
 
+        cast_vars = cast(variables)
+
         if key not in self._checked:
             self._checked.add(key)
             if any(casting_policy(p).compute_dtype != jnp.float32 for p in path_policies.values()):
@@ -237,7 +254,20 @@ class MixedPrecisionModule:
                 warn_float32_matmuls(
                     trace(run, cast_vars, args, kwargs), "jmp_policy.linen.mixed_precision"
                 )
-        out = run(cast_vars, args, kwargs)
+        if self._casts_own_weights(key, variables, path_policies):
+            # Parameters cast inside the traced program, so each matmul on one takes it in
+            # float32 (`autocast.cast_at_use`): its gradient is made and summed in float32.
+            program = (key, repr(mutable))  # `mutable` may be a list
+            if program not in self._at_use:
+                self._at_use[program] = cast_at_use_program(
+                    lambda params, rest, args, kwargs: run(
+                        cast({**rest, "params": params}), args, kwargs
+                    )
+                )
+            rest = {k: v for k, v in variables.items() if k != "params"}
+            out = self._at_use[program](variables["params"], rest, args, kwargs)
+        else:
+            out = run(cast_vars, args, kwargs)
         root = self._module_policy(path_policies, ())
         if mutable is False:
             return root.cast_to_output(out)
@@ -249,6 +279,34 @@ class MixedPrecisionModule:
                     lambda new, old: new.astype(old.dtype), collection, variables[name]
                 )
         return root.cast_to_output(y), updated
+
+    def _casts_own_weights(self, key, variables, path_policies) -> bool:
+        """Whether a module whose matmuls are not taken over (`nn.Einsum`,
+        `nn.ConvTranspose`, a module's own `x @ self.param(...)`) owns a parameter and
+        computes in 16 bits, with gradients to be summed in float32 (`reduce_dtype`)."""
+        if self.reduce_dtype is None or "params" not in variables:
+            return False
+        plain = self._not_taken_over.get(key, set())
+        for path, _ in jax.tree_util.tree_flatten_with_path(variables["params"])[0]:
+            keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+            owner = _owner(path_policies, keys[:-1])
+            if owner in plain:
+                compute = casting_policy(path_policies[owner]).compute_dtype
+                if jnp.finfo(compute).bits == 16:
+                    return True
+        return False
+
+
+def _owner(path_policies, param_path: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The innermost recorded module above a parameter: the one that owns it."""
+    for cut in range(len(param_path), -1, -1):
+        if param_path[:cut] in path_policies:
+            return param_path[:cut]
+    return None
+
+
+_TAKEN_OVER = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Embed)
+"""Layers whose matmul (or lookup) `_weights_cast_inside` takes over."""
 
 
 def _carry_keeps_its_dtype(carry_in: Any, out: Any) -> Any:
