@@ -2,8 +2,9 @@
 
 A 5-layer MLP (256 wide, an 8-way head), Adam, the batch sharded over a "data" mesh axis,
 the weights replicated (data parallel) or sharded on their first axis (FSDP), or a
-`shard_map` step that `pmean`s its gradients. For each integration (Linen, NNX,
-autocast) and policy the compiled step's all-reduces, all-gathers and reduce-scatters
+`shard_map` step that `pmean`s its gradients. For each integration (Linen; Linen on the
+same MLP written with `nn.Einsum` and a layer's own `x @ self.param(...)`; NNX; autocast)
+and policy the compiled step's all-reduces, all-gathers and reduce-scatters
 are read from XLA's HLO: dtype, shape and bytes per step, against plain float32 and a
 hand-written bfloat16 cast (`astype` on the parameters before `apply`).
 
@@ -55,6 +56,29 @@ class LinenMLP(nn.Module):
         return nn.Dense(CLASSES)(x)
 
 
+class OwnWeight(nn.Module):
+    """A layer as users write their own: `x @ self.param(...)`, no Flax matmul layer."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+        return x @ w + self.param("bias", nn.initializers.zeros, (self.features,))
+
+
+class LinenOwnMLP(nn.Module):
+    """The same MLP from layers whose matmuls no integration takes over: `nn.Einsum` and
+    a layer of one's own (the same 10 weights and biases, of the same shapes)."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(DEPTH - 1):
+            layer = nn.Einsum((WIDTH, WIDTH), "bd,df->bf") if i % 2 else OwnWeight(WIDTH)
+            x = nn.relu(layer(x))
+        return nn.Einsum((WIDTH, CLASSES), "bd,df->bf")(x)
+
+
 class NnxMLP(nnx.Module):
     def __init__(self, rngs):
         self.layers = nnx.List([nnx.Linear(WIDTH, WIDTH, rngs=rngs) for _ in range(DEPTH - 1)])
@@ -103,8 +127,9 @@ def _loss(apply, params, x, y):
 
 
 def make_apply(integration: str, policy: str, reduce_dtype="float32"):
-    """(params, apply(params, x)) for an integration: "linen", "nnx", "autocast",
-    "float32" (plain) or "cast_bf16" (a hand-written bfloat16 cast of the parameters)."""
+    """(params, apply(params, x)) for an integration: "linen", "linen_own" (Linen, the MLP
+    written with `nn.Einsum` and a layer of one's own), "nnx", "autocast", "float32"
+    (plain) or "cast_bf16" (a hand-written bfloat16 cast of the parameters)."""
     x = jnp.zeros((2, WIDTH))
     # The default is not passed, so this file also measures revisions without the argument.
     options = {} if reduce_dtype == "float32" else {"reduce_dtype": reduce_dtype}
@@ -112,9 +137,9 @@ def make_apply(integration: str, policy: str, reduce_dtype="float32"):
         model = jmp.nnx.mixed_precision(NnxMLP(nnx.Rngs(0)), policy, **options)
         graphdef, params = nnx.split(model)
         return params, lambda p, x: nnx.merge(graphdef, p)(x)
-    plain = LinenMLP()
+    plain = LinenOwnMLP() if integration == "linen_own" else LinenMLP()
     params = plain.init(jax.random.key(0), x)["params"]
-    if integration == "linen":
+    if integration in ("linen", "linen_own"):
         mixed = jmp.linen.mixed_precision(plain, policy, **options)
         return params, lambda p, x: mixed.apply({"params": p}, x)
     if integration == "autocast":
@@ -130,7 +155,7 @@ def make_apply(integration: str, policy: str, reduce_dtype="float32"):
 def build_step(integration, policy, layout, mesh, reduce_dtype="float32", batch=64):
     """(compiled step, its HLO after SPMD partitioning, args) of one configuration."""
     params, apply = make_apply(integration, policy, reduce_dtype)
-    half = integration in ("linen", "nnx", "autocast") and policy == "mixed_float16"
+    half = integration in ("linen", "linen_own", "nnx", "autocast") and policy == "mixed_float16"
     tx = optax.adam(1e-3)
     if half:
         tx = jmp.loss_scaling(tx, jmp.DynamicLossScale(2.0**15))
@@ -181,6 +206,8 @@ CONFIGS = [
     ("cast_bf16", "float32"),
     ("linen", "mixed_float16"),
     ("linen", "mixed_bfloat16"),
+    ("linen_own", "mixed_float16"),
+    ("linen_own", "mixed_bfloat16"),
     ("nnx", "mixed_float16"),
     ("nnx", "mixed_bfloat16"),
     ("autocast", "mixed_float16"),
@@ -191,7 +218,7 @@ CONFIGS = [
 def measure(
     layouts=("dp", "fsdp", "shard_map"),
     reduce_dtypes=("float32", None),
-    integrations=("linen", "nnx", "autocast"),
+    integrations=("linen", "linen_own", "nnx", "autocast"),
     timed=False,
     baselines=None,
 ):
@@ -319,7 +346,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write the rows to this file (-: stdout's first line)")
     parser.add_argument("--layouts", default="dp,fsdp,shard_map")
-    parser.add_argument("--integrations", default="linen,nnx,autocast")
+    parser.add_argument("--integrations", default="linen,linen_own,nnx,autocast")
     parser.add_argument("--reduce-dtypes", default="float32,None")
     parser.add_argument("--time", action="store_true", help="also time each step")
     parser.add_argument(
