@@ -290,10 +290,9 @@ class MixedPrecisionModule:
         for path, _ in jax.tree_util.tree_flatten_with_path(variables["params"])[0]:
             keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
             owner = _owner(path_policies, keys[:-1])
-            if owner in plain:
-                compute = casting_policy(path_policies[owner]).compute_dtype
-                if jnp.finfo(compute).bits == 16:
-                    return True
+            # 16 bits; a float8 policy's layers are left as they are (`_fp8_matmuls`).
+            if owner in plain and path_policies[owner].compute_dtype.itemsize == 2:
+                return True
         return False
 
 

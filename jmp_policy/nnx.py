@@ -25,6 +25,7 @@ from jax import lax
 from jmp_policy import matmul
 from jmp_policy._compat import set_variable_value, variable_value
 from jmp_policy._pytree import signature
+from jmp_policy.autocast import cast_at_use
 from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
 from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
@@ -46,6 +47,28 @@ class _Once:
 
     def __init__(self):
         self.seen: set[Any] = set()
+
+
+class _AtUse:
+    """The model's `autocast.cast_at_use` programs, one per graph (a static attribute)."""
+
+    def __init__(self):
+        self.programs: dict[Any, Any] = {}
+
+    def call(self, model, scoped, args, kwargs):
+        """`scoped(model, *args, **kwargs)` with each weight cast where it is used, and the
+        model's state (batch statistics, RNG counts) updated as the call left it."""
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if graphdef not in self.programs:
+
+            def run(params, rest, args, kwargs):
+                inner = nnx.merge(graphdef, params, rest)
+                return scoped(inner, *args, **kwargs), nnx.state(inner)
+
+            self.programs[graphdef] = cast_at_use(run)
+        out, state = self.programs[graphdef](params, rest, args, kwargs)
+        nnx.update(model, state)
+        return out
 
 
 def _has_call(cls: type) -> bool:
@@ -90,6 +113,10 @@ def _subclass(cls: type, role: str) -> type:
 
                 warn_float32_matmuls(
                     trace(run, state, args, kwargs), "jmp_policy.nnx.mixed_precision"
+                )
+            if self._jmp_policy_at_use is not None:
+                return policy.cast_to_output(
+                    self._jmp_policy_at_use.call(self, scoped, args, kwargs)
                 )
             return policy.cast_to_output(scoped(self, *args, **kwargs))
 
@@ -180,6 +207,7 @@ def mixed_precision(
     }
     resolved: dict[tuple[str, ...], Policy] = {}
     scoped: set[tuple[str, ...]] = {()}  # modules whose calls open a name scope
+    at_use = False  # a 16-bit layer that casts its own weights, its matmul not taken over
     for path in sorted(modules, key=len):  # parents before children
         module = modules[path]
         parent = max((p for p in resolved if path[: len(p)] == p), key=len, default=())
@@ -195,6 +223,12 @@ def mixed_precision(
             )
         )
         object.__setattr__(module, "_jmp_policy_out_dtype", out_dtype)
+        at_use = at_use or (
+            reduce_dtype is not None
+            and out_dtype is None
+            and hasattr(module, "promote_dtype")
+            and resolved[path].compute_dtype.itemsize == 2  # float8's are left as they are
+        )
         # The scope continues the nearest scoped ancestor's: containers without a
         # `__call__` (nnx.List, nnx.Dict) open none, so their names go here.
         above = max((p for p in scoped if path[: len(p)] == p), key=len)
@@ -208,6 +242,9 @@ def mixed_precision(
     rules.warn_unmatched()
     object.__setattr__(model, "_jmp_policy_root", casting_policy(resolved[()]))
     object.__setattr__(model, "_jmp_policy_checked", _Once())
+    # nnx.ConvTranspose and other layers without a matmul hook: the model runs under
+    # `autocast.cast_at_use`, so their weights' gradients are made in float32 too.
+    object.__setattr__(model, "_jmp_policy_at_use", _AtUse() if at_use else None)
     model.__class__ = _subclass(type(model), "root")
     return model
 

@@ -376,3 +376,47 @@ def test_linen_einsum_conv_transpose_and_own_weights_make_float32_gradients(redu
         jax.tree.leaves(grads), jax.tree.leaves(reference(params, x)), strict=True
     ):
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-3)
+
+
+class _NnxWithConvTranspose(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.BatchNorm(1, rngs=rngs)
+        self.up = nnx.ConvTranspose(1, 3, (3, 3), rngs=rngs)
+
+    def __call__(self, x):
+        return self.up(self.norm(x)).mean((1, 2, 3))
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", None])
+def test_nnx_conv_transpose_makes_float32_gradients_and_keeps_its_state(reduce_dtype):
+    x = _values(4, (4, 4, 4, 1))
+
+    def mixed(reduce_dtype):
+        model = _NnxWithConvTranspose(nnx.Rngs(0))
+        return jmp.nnx.mixed_precision(model, "mixed_float16", reduce_dtype=reduce_dtype)
+
+    model = mixed(reduce_dtype)
+    graphdef, state = nnx.split(model)
+
+    def loss(state, x):
+        return nnx.merge(graphdef, state)(x).astype(jnp.float32).sum()
+
+    dots = _matmul_outputs(jax.grad(loss), state, x)
+    print(dots)
+    # Forward and input gradient in float16; the kernel's gradient in float32 (float16 with
+    # reduce_dtype=None).
+    assert [str(out) for out, _ in dots] == [
+        "float16",
+        "float16",
+        "float32" if reduce_dtype else "float16",
+    ]
+    # Called in place, as a user does: the same output as without the rewrite, bit for bit,
+    # and the batch statistics it updates, in float32.
+    plain = mixed(None)
+    out = nnx.jit(lambda m, x: m(x))(model, x)
+    chex.assert_trees_all_equal(out, nnx.jit(lambda m, x: m(x))(plain, x))
+    chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), nnx.state(plain, nnx.BatchStat))
+    assert float(jnp.abs(model.norm.mean[...]).max()) > 0
+    assert model.norm.mean[...].dtype == jnp.float32
+    grads = nnx.grad(lambda m, x: m(x).astype(jnp.float32).sum())(model, x)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
