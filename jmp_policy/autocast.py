@@ -550,8 +550,10 @@ class _Autocast:
         out_tree = jax.tree.structure(out_shape)
         rules, cast_inputs = self._rules, self._cast_inputs
         # `cast_at_use`: the traced leaves of the first argument are the weights.
-        first = in_tree.children()[0].children()[0].num_leaves if n_args else 0
-        n_weights = sum(isinstance(s, jax.ShapeDtypeStruct) for s in specs[:first])
+        n_weights = 0
+        if rules.at_use and in_tree.children()[0].children():
+            first = in_tree.children()[0].children()[0].num_leaves
+            n_weights = sum(isinstance(s, jax.ShapeDtypeStruct) for s in specs[:first])
 
         def region(*flat):
             if cast_inputs:

@@ -63,7 +63,8 @@ class _AtUse:
 
             def run(params, rest, args, kwargs):
                 inner = nnx.merge(graphdef, params, rest)
-                return scoped(inner, *args, **kwargs), nnx.state(inner)
+                out = scoped(inner, *args, **kwargs)
+                return out, nnx.split(inner, nnx.Param, ...)[2]  # the state besides weights
 
             self.programs[graphdef] = cast_at_use(run)
         out, state = self.programs[graphdef](params, rest, args, kwargs)
