@@ -307,3 +307,11 @@ def test_training_with_autocast_and_loss_scaling_matches_float32():
         print(f"\n{name}: final loss {final:.6f} vs float32 {reference:.6f}")
         assert abs(final - reference) <= 0.02 * reference
     assert reference < 0.9  # it learned (chance: log 5 = 1.61)
+
+
+def test_every_positional_argument_static():
+    # Nothing positional is traced: the program has keyword inputs only, or none.
+    f = jmp.autocast(lambda n, x=None: (jnp.ones((2, 2)) @ jnp.ones((2, 2))) * n, static_argnums=0)
+    assert f(3).dtype == jnp.float32 and float(f(3)[0, 0]) == 6.0
+    report = jmp.precision_report(f, 3)
+    assert report.counts["dot_general"] == {"float16": 1}
