@@ -434,9 +434,41 @@ def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
         return _eval_cond(params, invals, rules)
     # remat2 / checkpoint: an open jaxpr without consts.
     body = functools.partial(_eval_jaxpr, params["jaxpr"], [], rules=rules)
-    return jax.checkpoint(
-        lambda *a: body(list(a)), prevent_cse=params["prevent_cse"], policy=params["policy"]
-    )(*invals)
+
+    wide = _wide_sources(rules, invals)
+
+    def rematted(*inner):
+        inner = _follow_weights(rules, invals, list(inner), wide)
+        return body(inner)
+
+    return jax.checkpoint(rematted, prevent_cse=params["prevent_cse"], policy=params["policy"])(
+        *invals, *[w for _, w in wide]
+    )
+
+
+def _wide_sources(rules: _Rules, outer: list) -> list:
+    """`cast_at_use`: [(position, float32 weight)] of a body's inputs that are a weight's
+    cast, to be passed into the body beside them."""
+    if not rules.at_use:
+        return []
+    return [(i, _downcasts()[id(v)][1]) for i, v in enumerate(outer) if id(v) in _downcasts()]
+
+
+def _follow_weights(rules: _Rules, outer: list, inner: list, wide: list) -> list:
+    """`cast_at_use`: a body's input that is a weight (or one layer of stacked weights in a
+    `scan`) is a weight too, and one that is a weight's cast is that (its float32 weight
+    passed in after the body's own inputs, per `_wide_sources`). Returns the body's own
+    inputs."""
+    if not rules.at_use:
+        return inner
+    inner, extra = inner[: len(outer)], inner[len(outer) :]
+    weights = _DOWNCASTS.stack[-1][0]
+    for o, i in zip(outer, inner, strict=True):
+        if id(o) in weights:
+            weights[id(i)] = i
+    for (position, _), w in zip(wide, extra, strict=True):
+        _downcasts()[id(inner[position])] = (inner[position], w)
+    return inner
 
 
 def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
@@ -447,7 +479,10 @@ def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
         invals[n_consts + n_carry :],
     )
 
+    wide = _wide_sources(rules, xs)
+
     def body(carry, x):
+        x = _follow_weights(rules, xs, list(x), wide)
         outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], rules)
         new_carry = [_cast(o, c.dtype) for o, c in zip(outs[:n_carry], carry, strict=True)]
         return new_carry, outs[n_carry:]
@@ -455,7 +490,7 @@ def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
     carry, ys = lax.scan(
         body,
         list(init),
-        list(xs),
+        [*xs, *[w for _, w in wide]],  # a weight's cast: its float32 weight beside it
         length=params["length"],
         reverse=params["reverse"],
         unroll=params["unroll"],
@@ -741,8 +776,8 @@ def cast_at_use(fun: Callable) -> Callable:
     float32 (activation gradients stay in 16 bits). What `linen.mixed_precision` runs
     `apply` under when `reduce_dtype` is float32 and a layer has no matmul to take over
     (`nn.Einsum`, `nn.ConvTranspose`, your own `x @ self.param(...)`). Only a cast of the
-    leaf itself counts: a weight sliced first (a layer of `nn.scan`'s stacked
-    parameters) keeps its gradient in the compute dtype."""
+    leaf or its cast is followed into `scan` (one layer of stacked weights at a time) and
+    `jax.checkpoint` bodies."""
     rules = _Rules(_FLOAT32, _FLOAT32, frozenset(), frozenset(), reduce=True, at_use=True)
     return _Autocast(fun, rules, (), (), cast_inputs=False, region_name=_CAST_AT_USE)
 

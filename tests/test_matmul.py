@@ -420,3 +420,48 @@ def test_nnx_conv_transpose_makes_float32_gradients_and_keeps_its_state(reduce_d
     assert model.norm.mean[...].dtype == jnp.float32
     grads = nnx.grad(lambda m, x: m(x).astype(jnp.float32).sum())(model, x)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
+
+
+class _EinsumBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.relu(nn.Einsum((16, 16), "bd,df->bf")(x)), None
+
+
+class _OwnBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.relu(_OwnWeight()(x)), None
+
+
+@pytest.mark.parametrize("layer", ["einsum", "own"])
+@pytest.mark.parametrize("remat", [False, True])
+def test_linen_under_nn_scan_makes_float32_gradients_layer_by_layer(layer, remat):
+    # Einsum's stacked kernels enter the loop in float32 and each layer's is cast inside it;
+    # an own layer's are cast before the loop and followed into it with their float32
+    # weights. Either way each layer's gradient comes out of its backward matmul in float32.
+    block = {"einsum": _EinsumBlock, "own": _OwnBlock}[layer]
+    block = nn.remat(block) if remat else block
+    scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return scanned()(x, None)[0].sum(-1)
+
+    x = _values(5, (4, 16))
+    mixed = jmp.linen.mixed_precision(Model(), "mixed_float16")
+    params = mixed.init(jax.random.key(0), x)["params"]
+
+    def loss(params, x):
+        return mixed.apply({"params": params}, x).astype(jnp.float32).sum()
+
+    dots = _matmul_outputs(jax.grad(loss), params, x)
+    print(dots)
+    # Forward (and its recomputation under remat) and activation gradients in float16; the
+    # kernel's and the bias's gradients in float32, one kernel matmul in the loop body.
+    assert {str(lhs) for _, lhs in dots} == {"float16"}
+    assert [str(out) for out, _ in dots].count("float32") == 1
+    grads = jax.jit(jax.grad(loss))(params, x)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
+    assert jax.tree.leaves(grads)[0].shape[0] == 3  # stacked: one kernel a layer
