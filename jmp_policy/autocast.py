@@ -140,8 +140,8 @@ class _Rules:
     # the matmul's result in `accumulate` (None: the compute dtype).
     reduce: bool = False
     accumulate: np.dtype | None = None
-    # `cast_at_use`: the program runs as traced, but for matmuls on a value just cast down
-    # from float32 (`_eval_cast_at_use`).
+    # `cast_at_use`: the program runs as traced, except where a weight's 16-bit cast is used
+    # (`_eval_cast_at_use`).
     at_use: bool = False
 
     @classmethod
@@ -773,11 +773,13 @@ def cast_at_use(fun: Callable) -> Callable:
     (`dot_general`, `conv_general_dilated`) on a float32 leaf of `weights` cast to 16 bits
     takes the float32 leaf and casts it inside the op (`jmp_policy.matmul.mixed`): the
     same forward pass, and the weight's gradient made, and summed across devices, in
-    float32 (activation gradients stay in 16 bits). What `linen.mixed_precision` runs
-    `apply` under when `reduce_dtype` is float32 and a layer has no matmul to take over
-    (`nn.Einsum`, `nn.ConvTranspose`, your own `x @ self.param(...)`). Only a cast of the
-    leaf or its cast is followed into `scan` (one layer of stacked weights at a time) and
-    `jax.checkpoint` bodies."""
+    float32 (activation gradients stay in 16 bits); a bias broadcast to a batch is
+    broadcast in float32 before its cast. What `linen.mixed_precision` runs `apply` under,
+    and `nnx.mixed_precision` a model's call, when `reduce_dtype` is float32 and a layer
+    has no matmul to take over (`nn.Einsum`, `nn.ConvTranspose`, your own
+    `x @ self.param(...)`; `nnx.ConvTranspose`). A weight, or its cast, is followed into
+    `scan` bodies (one layer of stacked weights at a time) and `jax.checkpoint` bodies, not
+    into `cond` branches or `while` loops."""
     rules = _Rules(_FLOAT32, _FLOAT32, frozenset(), frozenset(), reduce=True, at_use=True)
     return _Autocast(fun, rules, (), (), cast_inputs=False, region_name=_CAST_AT_USE)
 
