@@ -78,6 +78,7 @@ class MixedPrecisionModule:
         # where they own parameters, `apply` runs under `autocast.cast_at_use`.
         self._not_taken_over: dict[Any, set[tuple[str, ...]]] = {}
         self._at_use: dict[Any, Any] = {}
+        self._owns_weights: dict[Any, bool] = {}
         self._stack: list[Policy] = []
         self._checked: set[Any] = set()
 
@@ -169,7 +170,7 @@ class MixedPrecisionModule:
         self, params, path_policies, to: str, cast_at_use: Collection[tuple[str, ...]] = ()
     ):
         def cast(path, leaf):
-            keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+            keys = _keys(path)
             if keys[:-1] in cast_at_use:
                 return leaf  # the layer casts it where it uses it
             policy = casting_policy(self._module_policy(path_policies, keys[:-1]))
@@ -286,14 +287,21 @@ class MixedPrecisionModule:
         computes in 16 bits, with gradients to be summed in float32 (`reduce_dtype`)."""
         if self.reduce_dtype is None or "params" not in variables:
             return False
-        plain = self._not_taken_over.get(key, set())
-        for path, _ in jax.tree_util.tree_flatten_with_path(variables["params"])[0]:
-            keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
-            owner = _owner(path_policies, keys[:-1])
+        leaves, tree = jax.tree_util.tree_flatten_with_path(variables["params"])
+        if (key, tree) not in self._owns_weights:  # once per call signature and tree
+            plain = self._not_taken_over.get(key, set())
+            owners = {_owner(path_policies, _keys(path)[:-1]) for path, _ in leaves}
             # 16 bits; a float8 policy's layers are left as they are (`_fp8_matmuls`).
-            if owner in plain and path_policies[owner].compute_dtype.itemsize == 2:
-                return True
-        return False
+            self._owns_weights[(key, tree)] = any(
+                owner in plain and path_policies[owner].compute_dtype.itemsize == 2
+                for owner in owners
+            )
+        return self._owns_weights[(key, tree)]
+
+
+def _keys(path: tuple) -> tuple[str, ...]:
+    """A parameter's path in the variables (dict keys or attribute names) as strings."""
+    return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
 
 
 def _owner(path_policies, param_path: tuple[str, ...]) -> tuple[str, ...] | None:
