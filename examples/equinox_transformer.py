@@ -98,13 +98,13 @@ def train(policy: str, steps: int, batch: int = 16, seed: int = 0) -> Result:
         model = jmp.eqx.mixed_precision(model, policy)
     scale = jmp.DynamicLossScale(2.0**15) if policy == "mixed_float16" else jmp.NoOpLossScale()
     tx = jmp.loss_scaling(optax.adam(1e-3), scale)
-    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
     grad = jmp.eqx.filter_value_and_scaled_grad(loss_fn)
 
     @eqx.filter_jit
     def step(model, opt_state, batch):
         loss, grads = grad(opt_state, model, batch)
-        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
         return eqx.apply_updates(model, updates), opt_state, loss
 
     rng = np.random.default_rng(seed)

@@ -135,9 +135,7 @@ def train(policy_name, steps, verbose=True):
         grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
         state = state.apply_gradients(grads=grads)
         # A skipped step keeps the old statistics too: nothing is lost.
-        skipped = jmp.find_loss_scaling_state(state).last_step_skipped
-        new_stats = jmp.select_tree(skipped, batch_stats, new_stats)
-        return state, new_stats, loss
+        return state, jmp.unless_skipped(state, new_stats, batch_stats), loss
 
     @jax.jit
     def accuracy(state, batch_stats, x, y):

@@ -24,7 +24,8 @@ What is here, by topic:
   `all_finite`, `select_tree`.
 - optax: `loss_scaling` (unscale, check, apply or skip, adjust: one transform),
   `value_and_scaled_grad` (the loss for logging, the gradients for `update`), `get_loss_scale`,
-  `find_loss_scaling_state`, `LossScalingState`, `LeafFlags`.
+  `find_loss_scaling_state`, `LossScalingState`, `LeafFlags`; `unless_skipped` (a skipped
+  step keeps the model state too: batch statistics, `eqx.nn.State`).
 - Low-precision optimizer state: `low_precision_optimizer` (bfloat16 parameters and moments
   with stochastic rounding, Kahan compensation, or an exact float32 split), `master_params`,
   `LowPrecisionState`.
@@ -86,6 +87,7 @@ from jmp_policy.transform import (
     find_loss_scaling_state,
     get_loss_scale,
     loss_scaling,
+    unless_skipped,
 )
 
 if TYPE_CHECKING:
@@ -151,6 +153,7 @@ __all__ = (
     "nnx",
     "precision_report",
     "select_tree",
+    "unless_skipped",
     "value_and_grad_with_stats",
     "value_and_scaled_grad",
 )

@@ -376,6 +376,61 @@ def _optimizer_state_of(obj: Any) -> Any:
     return obj
 
 
+def unless_skipped(opt_state: Any, new: T, old: T) -> T:
+    """`new` if the step that produced `opt_state` was applied, `old` if it was skipped.
+
+    A skipped step leaves parameters and the inner optimizer state as they were;
+    this carries the same decision to everything else a step returns: the model
+    state its forward pass wrote (Linen `batch_stats`, an `eqx.nn.State`, NNX
+    variables; `jmp_policy.nnx.revert_if_skipped` does it for NNX models). A
+    forward pass that overflows writes NaN batch statistics, and kept, they
+    poison every later step. Call it after `tx.update` (or `apply_gradients`),
+    inside the jitted step: the choice is a `select` per array leaf, no host sync.
+
+    Args:
+      opt_state: the optimizer state after this step's update (an optax state
+        holding a `loss_scaling` state, a Flax `TrainState` or an
+        `nnx.Optimizer`).
+      new: what this step made, e.g. the updated batch statistics.
+      old: the same tree as it was before the step.
+
+    Returns:
+      `new` when the step was applied, else `old`, leaf by leaf. Leaves that
+      are not arrays (an Equinox module's functions) are taken from `new`.
+
+    Raises:
+      ValueError: `opt_state` holds no `loss_scaling` state, or `new` and `old`
+        differ in structure.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_policy as jmp
+      >>> tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**10))
+      >>> params = {"w": jnp.ones(2)}
+      >>> stats = {"mean": jnp.zeros(2)}
+      >>> _, opt_state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init(params), params)
+      >>> jmp.unless_skipped(opt_state, {"mean": jnp.array([jnp.nan, 1.0])}, stats)
+      {'mean': Array([0., 0.], dtype=float32)}
+    """
+    skipped = find_loss_scaling_state(opt_state).last_step_skipped
+    new_leaves, treedef = jax.tree.flatten(new)
+    old_leaves, old_treedef = jax.tree.flatten(old)
+    if treedef != old_treedef:
+        raise ValueError(
+            "Expected `new` and `old` of the same structure (what the step made, and the same "
+            f"tree before the step), got {treedef} and {old_treedef}."
+        )
+
+    def keep(n: Any, o: Any) -> Any:
+        if not isinstance(n, (jax.Array, np.ndarray, np.generic)):
+            return n
+        # A batched state (vmap over ensembles) has a decision per member.
+        pick = jnp.reshape(skipped, jnp.shape(skipped) + (1,) * (jnp.ndim(n) - jnp.ndim(skipped)))
+        return jnp.where(pick, o, n)
+
+    return jax.tree.unflatten(treedef, [keep(n, o) for n, o in zip(new_leaves, old_leaves)])
+
+
 def get_loss_scale(opt_state: Any) -> LossScale:
     """Returns the current loss scale inside the state of `loss_scaling`.
 
