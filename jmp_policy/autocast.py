@@ -426,12 +426,16 @@ def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
             if hasattr(inner, "consts")
             else _eval_jaxpr(inner, [], invals, rules)
         )
+    # The loop or branch keeps its place in the name stack (its body's are relative to it).
     if name == "scan":
-        return _eval_scan(params, invals, rules)
+        with _source_context(eqn):
+            return _eval_scan(params, invals, rules)
     if name == "while":
-        return _eval_while(params, invals, rules)
+        with _source_context(eqn):
+            return _eval_while(params, invals, rules)
     if name == "cond":
-        return _eval_cond(params, invals, rules)
+        with _source_context(eqn):
+            return _eval_cond(params, invals, rules)
     # remat2 / checkpoint: an open jaxpr without consts.
     body = functools.partial(_eval_jaxpr, params["jaxpr"], [], rules=rules)
 
@@ -441,9 +445,10 @@ def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
         inner = _follow_weights(rules, invals, list(inner), wide)
         return body(inner)
 
-    return jax.checkpoint(rematted, prevent_cse=params["prevent_cse"], policy=params["policy"])(
-        *invals, *[w for _, w in wide]
-    )
+    with _source_context(eqn):
+        return jax.checkpoint(
+            rematted, prevent_cse=params["prevent_cse"], policy=params["policy"]
+        )(*invals, *[w for _, w in wide])
 
 
 def _wide_sources(rules: _Rules, outer: list) -> list:

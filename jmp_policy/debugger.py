@@ -37,6 +37,7 @@ _CALLS = {
     "closed_call",
     "core_call",
     "remat",
+    "remat2",
     "checkpoint",
     "custom_jvp_call",
     "custom_vjp_call",
@@ -166,7 +167,9 @@ class PrecisionDebugReport:
             f"{'layer':<44}{'dir':<5}{'amax':>10}{'min>0':>10}{'range':>7}"
             f"{'under%':>8}{'over%':>7}{'headroom':>9}{'nan/inf%':>9}",
         ]
-        for s in self.layers:
+        if self.judged == "target":  # what the policy keeps in float32 cannot overflow it
+            lines.insert(1, f"(values the policy holds in {self.dtype}; `layers` has them all)")
+        for s in self.shown_layers:
             lines.append(
                 f"{s.layer[-43:]:<44}{s.direction[:3]:<5}{s.amax:>10.3g}{s.min_nonzero:>10.3g}"
                 f"{s.dynamic_range:>7.1f}{100 * s.underflow:>8.2f}{100 * s.overflow:>7.2f}"
@@ -196,6 +199,12 @@ class PrecisionDebugReport:
             f"loss scale {advice['loss_scale']}"
         )
         return "\n".join(lines)
+
+    @property
+    def shown_layers(self) -> tuple[LayerStats, ...]:
+        """What is judged, as the table and the plot show it: `target_layers` under a policy,
+        else `layers`."""
+        return self.target_layers if self.judged == "target" else self.layers
 
     def advice(self) -> dict[str, Any]:
         """Overrides, float32 islands and a loss-scale range, from the statistics.
@@ -240,7 +249,7 @@ class PrecisionDebugReport:
         for e in self.op_errors:
             if e.error > 1.0 and e.primitive not in _MATMULS:
                 lossy.setdefault(e.layer, set()).add(e.primitive)
-        judged = self.target_layers if self.judged == "target" else self.layers
+        judged = self.shown_layers
         overrides = {
             _module_path(layer): "float32" for layer in self.float32_layers if layer != TOP_LEVEL
         }
@@ -284,7 +293,7 @@ class PrecisionDebugReport:
                 s.headroom,
                 s.dynamic_range,
             ]
-            for s in self.layers
+            for s in self.shown_layers
         ]
         data = np.asarray(rows, np.float64).reshape(len(rows), len(columns))
         shown = data / np.maximum(np.abs(data).max(axis=0, keepdims=True), 1e-12)
@@ -294,7 +303,7 @@ class PrecisionDebugReport:
         labels = [
             f"{(s.layer if s.layer == TOP_LEVEL else _module_path(s.layer))[-44:]} "
             f"({s.direction[:3]})"
-            for s in self.layers
+            for s in self.shown_layers
         ]  # without the root module's name, which every row shares
         ax.set_yticks(range(len(rows)), labels)
         for (i, j), value in np.ndenumerate(data):
@@ -313,7 +322,8 @@ def _module_path(layer: str) -> str:
     return "/".join(parts[1:]) if len(parts) > 1 else layer
 
 
-_MARKERS = (FLOAT32_ISLAND, FULL_PRECISION_REGION)  # name-stack parts that are not modules
+# Name-stack parts that are not modules (JAX names a remat's recomputation `rematted_computation`).
+_MARKERS = (FLOAT32_ISLAND, FULL_PRECISION_REGION, "rematted_computation")
 _WRAPPERS = re.compile(r"^(?:[a-z_]+\()+")  # transpose(, jvp(, vmap(: transforms, not modules
 
 
@@ -334,6 +344,19 @@ def _layer_and_direction(name_stack: str, gradient: bool | None = None) -> tuple
         ):
             parts.append(part)
     return ("/".join(parts) or TOP_LEVEL), ("backward" if backward else "forward")
+
+
+def _once(name_stack: str) -> str:
+    """An operation's own name stack with JAX's repetition around a remat's backward pass
+    taken out: `transpose(jvp(ckpt))/jvp(ckpt)`, or `ckpt/ckpt` under autocast, is `ckpt`.
+    (A module inside a module of the same name, its whole own stack `a/a`, is named `a`
+    too: the price of reading the name stack alone.)"""
+    parts = name_stack.split("/")
+    half = len(parts) // 2
+    bare = [_WRAPPERS.sub("", p).rstrip(")") for p in parts]
+    if len(parts) % 2 == 0 and half > 0 and bare[:half] == bare[half:]:
+        return "/".join(parts[:half])
+    return name_stack
 
 
 def _float32_island(name_stack: str) -> str | None:
@@ -618,7 +641,8 @@ class _Interpreter:
             in_flags = [flags(v) for v in eqn.invars]
             gradient = any(f[0] for f in in_flags) if cotangent is not None else None
             from_literals = all(f[1] for f in in_flags)
-            here = "/".join(p for p in (stack, str(eqn.source_info.name_stack)) if p)
+            own = _once(str(eqn.source_info.name_stack))
+            here = "/".join(p for p in (stack, own) if p)
             sub = None
             if eqn.primitive.name in _CALLS:
                 sub = next(
@@ -629,21 +653,17 @@ class _Interpreter:
                     ),
                     None,
                 )
+            structured = None
             if sub is not None:
-                closed = sub if hasattr(sub, "consts") else None
-                inner = closed.jaxpr if closed is not None else sub
-                consts_ = list(closed.consts) if closed is not None else []
                 if eqn.params.get("name") == FULL_PRECISION_REGION:
                     here = f"{here}/{FULL_PRECISION_REGION}"  # `autocast.full_precision`
-                n = len(inner.invars)
-                outs = self.run(
-                    inner,
-                    consts_,
-                    invals[:n],
-                    here,
-                    None if cotangent is None else [f[0] for f in in_flags[:n]],
-                    [f[1] for f in in_flags[:n]],
-                )
+                n = len(getattr(sub, "jaxpr", sub).invars)
+                outs = self.call(sub, invals[:n], in_flags[:n], here, cotangent is not None)
+                mark(eqn.outvars, self.flags_out)
+            elif (
+                structured := self._structured(eqn, invals, in_flags, here, cotangent is not None)
+            ) is not None:
+                outs = structured
                 mark(eqn.outvars, self.flags_out)
             else:
                 subfuns, params = bind_params(eqn.primitive, eqn.params)
@@ -656,6 +676,23 @@ class _Interpreter:
                     env[var] = value
         self.flags_out = [flags(v) for v in jaxpr.outvars]
         return [read(v) for v in jaxpr.outvars]
+
+    def call(
+        self, sub: Any, args: Sequence[Any], flags: Sequence[tuple[bool, bool]], here: str, seeded: bool
+    ) -> list:
+        """Runs the (closed) jaxpr `sub` on `args` whose `(seeded, literal)` flags are `flags`;
+        `self.flags_out` then holds its outputs' flags."""
+        inner = getattr(sub, "jaxpr", sub)
+        consts = list(getattr(sub, "consts", []))
+        cotangent = [f[0] for f in flags] if seeded else None
+        return self.run(inner, consts, list(args), here, cotangent, [f[1] for f in flags])
+
+    def _structured(
+        self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool
+    ) -> list | None:
+        """A loop or branch (`scan`, `while`, `cond`) run by the interpreter, its body's operations
+        recorded one by one; None: bound as one operation."""
+        return None
 
     def _record(
         self,
@@ -709,16 +746,104 @@ class _Host:
             self.passed_on += 1
 
 
+def _merge_flags(runs: Sequence[Sequence[tuple[bool, bool]]]) -> list[tuple[bool, bool]]:
+    """The flags of values that may come from any of `runs` (loop iterations, branches): seeded
+    if any run's is, from literals alone if every run's is."""
+    return [(any(f[0] for f in fs), all(f[1] for f in fs)) for fs in zip(*runs, strict=True)]
+
+
 class _Collector(_Interpreter):
     """Runs the program once under `jax.jit`, keeping what `_Interpreter._record` reads (every
     recorded operation's inputs, outputs and re-run outputs) as outputs of that one program;
-    `replay` then records them on the host. One compile instead of one per operation."""
+    `replay` then records them on the host. One compile instead of one per operation.
 
-    def __init__(self, acc: _Accumulator):
+    Loops and branches are descended into, so the layers inside them are named and judged
+    operation by operation, and a loop's carry is never cast: a `scan` is unrolled; a `cond`
+    runs every branch, and only the taken one's operations are recorded; a `while` loop runs
+    as many times as it ran in the program, which a first run with a counter tells
+    (`trip_counts`, keyed by where the loop sits; `pending` lists those still unknown)."""
+
+    def __init__(self, acc: _Accumulator, trip_counts: dict | None = None):
         self.acc = acc
         self.records: list = []
         self.kept: list = []
         self._index: dict[int, int] = {}
+        self.trip_counts = trip_counts or {}
+        self.pending: dict[tuple, int] = {}  # a while loop's place -> its counter in `kept`
+        self._guards: list[tuple[int, int]] = []  # (branch index in `kept`, this branch)
+        self._place: list[tuple] = []  # the loop iterations and branches around this point
+        self._seen: dict[tuple, int] = {}
+
+    def _where(self, eqn: Any) -> tuple:
+        """Where this run of `eqn` sits: the same in every run of the program."""
+        key = (*self._place, id(eqn))
+        self._seen[key] = self._seen.get(key, -1) + 1
+        return (*key, self._seen[key])
+
+    def _structured(
+        self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool
+    ) -> list | None:
+        name = eqn.primitive.name
+        if name not in ("scan", "while", "cond"):
+            return None
+        p, where = eqn.params, self._where(eqn)
+        if name == "cond":
+            index, runs, flags = invals[0], [], []
+            for b, branch in enumerate(p["branches"]):
+                self._guards.append((self._keep(index)[1], b))
+                self._place.append((where, b))
+                runs.append(self.call(branch, invals[1:], in_flags[1:], here, seeded))
+                flags.append(self.flags_out)
+                self._place.pop()
+                self._guards.pop()
+            self.flags_out = _merge_flags(flags)
+            if len(runs) == 1:
+                return runs[0]
+            return [jax.lax.select_n(index, *values) for values in zip(*runs, strict=True)]
+        if name == "scan":
+            nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+            consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+            carry_flags, xs_flags = in_flags[nc : nc + nk], in_flags[nc + nk :]
+            ys, ys_flags = [], []
+            for i in reversed(range(length)) if p["reverse"] else range(length):
+                self._place.append((where, i))
+                outs = self.call(
+                    p["jaxpr"],
+                    [*consts, *carry, *(x[i] for x in xs)],
+                    [*in_flags[:nc], *carry_flags, *xs_flags],
+                    here,
+                    seeded,
+                )
+                self._place.pop()
+                carry, carry_flags = outs[:nk], self.flags_out[:nk]
+                ys.append(outs[nk:])
+                ys_flags.append(self.flags_out[nk:])
+            if p["reverse"]:
+                ys.reverse()
+            empty = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
+            stacked = [jnp.stack(y) for y in zip(*ys, strict=True)] if ys else empty
+            self.flags_out = [*carry_flags, *(_merge_flags(ys_flags) if ys else in_flags[nc + nk :])]
+            return [*carry, *stacked]
+        # while: cond_consts, body_consts, carry.
+        cc, bc = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts, carry = invals[:cc], invals[cc : cc + bc], invals[cc + bc :]
+        if where not in self.trip_counts:
+            # Not known yet: run it whole, with a counter, for the next run of the program.
+            outs = eqn.primitive.bind(*bind_params(eqn.primitive, eqn.params)[0], *invals, **p)
+            self.pending[where] = self._keep(_trip_count(p, cond_consts, body_consts, carry))[1]
+            self.flags_out = _merge_flags([in_flags[cc + bc :]] * 2)
+            return list(outs)
+        carry_flags = in_flags[cc + bc :]
+        for i in range(self.trip_counts[where]):
+            self._place.append((where, i))
+            carry = self.call(
+                p["body_jaxpr"], [*body_consts, *carry], [*in_flags[cc : cc + bc], *carry_flags],
+                here, seeded,
+            )
+            self._place.pop()
+            carry_flags = self.flags_out
+        self.flags_out = carry_flags
+        return list(carry)
 
     def _keep(self, value: Any) -> tuple[bool, Any]:
         if isinstance(value, jax.Array):  # traced (or a constant): an output of the program
@@ -743,6 +868,7 @@ class _Collector(_Interpreter):
         rerun = self.acc.rerun(eqn, invals, outs) if judged else None
         self.records.append(
             (
+                tuple(self._guards),
                 eqn,
                 key,
                 island,
@@ -760,10 +886,25 @@ class _Collector(_Interpreter):
         def get(refs: list) -> list:
             return [kept[v] if traced else v for traced, v in refs]
 
-        for eqn, key, island, from_literals, invals, outs, rerun in self.records:
+        for guards, eqn, key, island, from_literals, invals, outs, rerun in self.records:
+            if any(int(np.asarray(kept[index])) != branch for index, branch in guards):
+                continue  # a branch the program did not take
             rerun = None if rerun is None else get(rerun)
             host.record(eqn, key, island, from_literals, get(invals), get(outs), rerun)
         return host
+
+
+def _trip_count(params: dict, cond_consts: list, body_consts: list, carry: list) -> jax.Array:
+    """How many times the `while` loop of `params` runs from `carry`."""
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+
+    def go_on(state):
+        return jax.core.eval_jaxpr(cond.jaxpr, cond.consts, *cond_consts, *state[1])[0]
+
+    def step(state):
+        return state[0] + 1, jax.core.eval_jaxpr(body.jaxpr, body.consts, *body_consts, *state[1])
+
+    return jax.lax.while_loop(go_on, step, (jnp.zeros((), jnp.int32), list(carry)))[0]
 
 
 def _target_dtype(dtype: DTypeLike) -> np.dtype:
@@ -872,14 +1013,23 @@ def debug_precision(
     closed, flat, cotangent, _ = _with_seed(on_arrays, arrays, argnums, has_aux=False)
     under_policy = target != jnp.float32 and _computes_in(closed.jaxpr, target)
     acc = _Accumulator(target, float(loss_scale), under_policy)
-    collector = _Collector(acc)
+    trip_counts: dict = {}
+    while True:  # once, or again while `while` loops inside it have trip counts to learn
+        collector = _Collector(acc, trip_counts)
 
-    def program(flat):
-        return collector.run(closed.jaxpr, closed.consts, flat, "", cotangent), collector.kept
+        def program(flat, collector=collector):
+            # Constants (a mask literal) are cast with NumPy while this traces: one beyond the
+            # target dtype's range becomes inf there, as it does in the program, unwarned.
+            with np.errstate(over="ignore"):
+                outs = collector.run(closed.jaxpr, closed.consts, flat, "", cotangent)
+            return outs, collector.kept
 
-    # Inputs rounded to the target dtype must stay rounded inside the one program.
-    compiled = jax.jit(program).lower(flat).compile({"xla_allow_excess_precision": False})
-    outs, kept = compiled(flat)
+        # Inputs rounded to the target dtype must stay rounded inside the one program.
+        compiled = jax.jit(program).lower(flat).compile({"xla_allow_excess_precision": False})
+        outs, kept = compiled(flat)
+        if not collector.pending:
+            break
+        trip_counts.update({k: int(kept[i]) for k, i in collector.pending.items()})
     host = collector.replay(kept)
     origin = host.origin
     if origin is not None:
