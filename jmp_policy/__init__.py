@@ -84,6 +84,7 @@ from jmp_policy.scaled_grad import value_and_scaled_grad
 from jmp_policy.transform import (
     LeafFlags,
     LossScalingState,
+    LossScalingWarning,
     find_loss_scaling_state,
     get_loss_scale,
     loss_scaling,
@@ -123,6 +124,7 @@ __all__ = (
     "LossScale",
     "LossScalingReport",
     "LossScalingState",
+    "LossScalingWarning",
     "LowPrecisionState",
     "NoOpLossScale",
     "NonFiniteLossError",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
+import warnings
 from typing import Any
 
 import jax
@@ -109,3 +111,32 @@ def whole_number(value: Any, argument: str, *, low: int) -> int:
     if int(value) < low:
         raise ValueError(f"Expected an integer >= {low} for `{argument}`, got {value}.")
     return int(value)
+
+
+# Where library code lives, not the user's: frames in these folders (and Python's own) are
+# skipped when a warning or a source line names the user's code.
+LIBRARY_DIRS = (
+    "/jax/", "/jaxlib/", "/flax/", "/optax/", "/jmp_policy/", "/chex/", "/equinox/", "/haiku/",
+)  # fmt: skip
+
+
+def is_library_file(file_name: str) -> bool:
+    name = file_name.replace("\\", "/")
+    return any(d in name for d in LIBRARY_DIRS) or "/python3." in name or name.startswith("<frozen")
+
+
+def warn_at_user_line(message: str, category: type[Warning]) -> None:
+    """`warnings.warn(message, category)` attributed to the innermost line of the user's code
+    on the stack, not to a line of JAX, Flax, optax or this library (which a fixed
+    `stacklevel` cannot find under `jit`, `nnx.Optimizer` or `eqx.filter_jit`)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and is_library_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__", "__main__"),
+        registry=frame.f_globals.setdefault("__warningregistry__", {}),
+    )

@@ -446,9 +446,9 @@ def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
         return body(inner)
 
     with _source_context(eqn):
-        return jax.checkpoint(
-            rematted, prevent_cse=params["prevent_cse"], policy=params["policy"]
-        )(*invals, *[w for _, w in wide])
+        return jax.checkpoint(rematted, prevent_cse=params["prevent_cse"], policy=params["policy"])(
+            *invals, *[w for _, w in wide]
+        )
 
 
 def _wide_sources(rules: _Rules, outer: list) -> list:

@@ -22,12 +22,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import eval_jaxpr
 from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
 from jmp_policy import _naming
 from jmp_policy._compat import DropVar, bind_params, jaxprs_in_params
 from jmp_policy._pytree import is_traced_leaf, register_state, split_traced
+from jmp_policy._validation import is_library_file
 from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 from jmp_policy.policy import is_floating_array
 
@@ -44,7 +46,6 @@ _CALLS = {
     "custom_vjp_call_jaxpr",
 }
 _MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot"}
-_LIBRARY_DIRS = ("/jax/", "/jaxlib/", "/flax/", "/optax/", "/jmp_policy/", "/chex/")
 TOP_LEVEL = "(top level)"
 
 
@@ -373,7 +374,7 @@ def _source(eqn: Any) -> str:
         return "(unknown)"
     for frame in tb.frames:
         name = frame.file_name.replace("\\", "/")
-        if not any(d in name for d in _LIBRARY_DIRS) and "/python3." not in name:
+        if not is_library_file(name):
             return f"{frame.file_name}:{frame.line_num}"
     return "(library code)"
 
@@ -678,7 +679,12 @@ class _Interpreter:
         return [read(v) for v in jaxpr.outvars]
 
     def call(
-        self, sub: Any, args: Sequence[Any], flags: Sequence[tuple[bool, bool]], here: str, seeded: bool
+        self,
+        sub: Any,
+        args: Sequence[Any],
+        flags: Sequence[tuple[bool, bool]],
+        here: str,
+        seeded: bool,
     ) -> list:
         """Runs the (closed) jaxpr `sub` on `args` whose `(seeded, literal)` flags are `flags`;
         `self.flags_out` then holds its outputs' flags."""
@@ -822,7 +828,10 @@ class _Collector(_Interpreter):
                 ys.reverse()
             empty = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
             stacked = [jnp.stack(y) for y in zip(*ys, strict=True)] if ys else empty
-            self.flags_out = [*carry_flags, *(_merge_flags(ys_flags) if ys else in_flags[nc + nk :])]
+            self.flags_out = [
+                *carry_flags,
+                *(_merge_flags(ys_flags) if ys else in_flags[nc + nk :]),
+            ]
             return [*carry, *stacked]
         # while: cond_consts, body_consts, carry.
         cc, bc = p["cond_nconsts"], p["body_nconsts"]
@@ -837,8 +846,11 @@ class _Collector(_Interpreter):
         for i in range(self.trip_counts[where]):
             self._place.append((where, i))
             carry = self.call(
-                p["body_jaxpr"], [*body_consts, *carry], [*in_flags[cc : cc + bc], *carry_flags],
-                here, seeded,
+                p["body_jaxpr"],
+                [*body_consts, *carry],
+                [*in_flags[cc : cc + bc], *carry_flags],
+                here,
+                seeded,
             )
             self._place.pop()
             carry_flags = self.flags_out
@@ -899,10 +911,10 @@ def _trip_count(params: dict, cond_consts: list, body_consts: list, carry: list)
     cond, body = params["cond_jaxpr"], params["body_jaxpr"]
 
     def go_on(state):
-        return jax.core.eval_jaxpr(cond.jaxpr, cond.consts, *cond_consts, *state[1])[0]
+        return eval_jaxpr(cond.jaxpr, cond.consts, *cond_consts, *state[1])[0]
 
     def step(state):
-        return state[0] + 1, jax.core.eval_jaxpr(body.jaxpr, body.consts, *body_consts, *state[1])
+        return state[0] + 1, eval_jaxpr(body.jaxpr, body.consts, *body_consts, *state[1])
 
     return jax.lax.while_loop(go_on, step, (jnp.zeros((), jnp.int32), list(carry)))[0]
 

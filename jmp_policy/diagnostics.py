@@ -48,7 +48,9 @@ class LossScalingReport:
       stats_step: the step they were collected at (None when not collected).
       hint: a likely misuse read from these figures, or None. A dynamic scale past 2^24
         (Apex's cap) that has never overflowed means the gradients did not come from the
-        scaled loss: `str()` then says so and points to `value_and_scaled_grad`.
+        scaled loss: `str()` then says so and points to `value_and_scaled_grad`. A scale at
+        its floor with the latest steps skipped means no smaller scale can help: `str()`
+        says so and names the likely causes.
     """
 
     loss_scale: float
@@ -121,11 +123,21 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
             "jax.grad next to loss_scaling), so every update is that many times too small. "
             "Compute them with jmp_policy.value_and_scaled_grad(loss_fn)(opt_state, params, ...)"
         )
+    run = int(host_value(state.nonfinite_run))
+    if isinstance(scale, DynamicLossScale) and at_floor and run > 0:
+        hint = (
+            f"The scale sits at its floor (min_loss_scale={scale.floor:g}) and the last {run} "
+            "step(s) were skipped: a smaller scale cannot cure them. The overflow is in the "
+            "forward pass, the loss or the parameters themselves, not in the scaled gradients: "
+            "parameters stored in float16 (a policy such as 'float16' or 'f16' instead of "
+            "'mixed_float16'), a non-finite batch, or activations past float16's range "
+            "(jmp_policy.debug_precision(loss_fn, params, batch) names the first operation)"
+        )
     return LossScalingReport(
         loss_scale=scale_value,
         applied_steps=int(host_value(state.applied_steps)),
         skipped_steps=skipped,
-        nonfinite_run=int(host_value(state.nonfinite_run)),
+        nonfinite_run=run,
         last_step_skipped=bool(host_value(state.last_step_skipped)),
         at_floor=bool(at_floor),
         nonfinite_paths=paths,

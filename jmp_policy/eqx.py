@@ -24,7 +24,7 @@ from typing import Any
 import equinox as eqx
 
 from jmp_policy.autocast import autocast
-from jmp_policy.policy import Policy, check_policy, get_policy
+from jmp_policy.policy import Policy, check_policy, get_policy, warn_if_half_params
 from jmp_policy.scaled_grad import value_and_scaled_grad
 
 
@@ -49,6 +49,12 @@ class MixedPrecision(eqx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _call_under(self.policy)(self.model, *args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the wrapper does not have: `wrapped.layers` reads `model.layers`.
+        if name.startswith("__") or name in ("model", "policy"):
+            raise AttributeError(name)  # not set yet (while Equinox builds the module)
+        return getattr(self.model, name)
+
 
 def mixed_precision(model: Any, policy: Policy | str = "mixed_float16") -> MixedPrecision:
     """Applies `policy` to an Equinox model (any pytree that is callable).
@@ -58,9 +64,13 @@ def mixed_precision(model: Any, policy: Policy | str = "mixed_float16") -> Mixed
       policy: a `Policy` or a policy string, e.g. "mixed_float16".
 
     Returns:
-      A `MixedPrecision` module. Differentiate it with `eqx.filter_grad` (or
-      `filter_value_and_scaled_grad`) and update it with `eqx.apply_updates`
-      as you would the model; its gradients arrive in `param_dtype`.
+      A new `MixedPrecision` module (Equinox models are immutable: write
+      `model = jmp.eqx.mixed_precision(model, ...)`); it reads the model's
+      attributes through (`wrapped.layers` is `model.layers`), and applied to
+      a `MixedPrecision` again, the new policy replaces the old. Differentiate
+      it with `eqx.filter_grad` (or `filter_value_and_scaled_grad`) and update
+      it with `eqx.apply_updates` as you would the model; its gradients arrive
+      in `param_dtype`.
 
     Raises:
       TypeError: `model` is not callable, or `policy` is not a policy.
@@ -79,7 +89,11 @@ def mixed_precision(model: Any, policy: Policy | str = "mixed_float16") -> Mixed
         raise TypeError(
             f"Expected a callable Equinox module for `model`, got {type(model).__name__}."
         )
+    given = policy
     policy = get_policy(policy) if isinstance(policy, str) else check_policy(policy)
+    warn_if_half_params(policy, given, "jmp_policy.eqx.mixed_precision")
+    if isinstance(model, MixedPrecision):  # applied again: the new policy replaces the old
+        model = model.model
     return MixedPrecision(policy.cast_to_param(model), policy)
 
 

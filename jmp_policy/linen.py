@@ -31,7 +31,13 @@ from jmp_policy.autocast import cast_at_use as cast_at_use_program
 from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
 from jmp_policy.overrides import FLOAT32, Overrides, is_compute_dtype, island_scope
-from jmp_policy.policy import Policy, casting_policy, check_policy, is_floating_array
+from jmp_policy.policy import (
+    Policy,
+    casting_policy,
+    check_policy,
+    is_floating_array,
+    warn_if_half_params,
+)
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
     {
@@ -65,6 +71,7 @@ class MixedPrecisionModule:
             )
         self.module = module
         self.policy = check_policy(policy)
+        warn_if_half_params(self.policy, policy, "jmp_policy.linen.mixed_precision")
         self.overrides = Overrides(overrides, nn.Module)
         self.reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
         self.accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)

@@ -29,7 +29,13 @@ from jmp_policy.autocast import cast_at_use
 from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
 from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
-from jmp_policy.policy import Policy, cast_floating, casting_policy, check_policy
+from jmp_policy.policy import (
+    Policy,
+    cast_floating,
+    casting_policy,
+    check_policy,
+    warn_if_half_params,
+)
 from jmp_policy.transform import find_loss_scaling_state, unless_skipped
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
@@ -198,7 +204,8 @@ def mixed_precision(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"Expected a flax.nnx.Module for `model`, got {type(model).__name__}.")
-    policy = check_policy(policy)
+    given, policy = policy, check_policy(policy)
+    warn_if_half_params(policy, given, "jmp_policy.nnx.mixed_precision")
     rules = Overrides(overrides, nnx.Module)
     reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
     accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jmp_policy._validation import warn_at_user_line
+
 T = TypeVar("T")
 
 # Short names accepted by jmp's grammar, plus the full NumPy names. "half" is
@@ -195,7 +197,8 @@ def _closest_policy_name(name: str) -> str | None:
     if any(w.startswith(("float8", "fp8", "f8", "e4m3", "e5m2")) for w in words):
         return "mixed_float8" if "mixed" in known else _FLOAT8_NAMES[0]
     if len(known) == 1 and known[0] in ("float16", "bfloat16") and known[0] != name:
-        return known[0]
+        # A newcomer's "fp16" means mixed precision: float32 master weights.
+        return f"mixed_{known[0]}"
     choices = [*_PRESETS, "float32", "float16", "bfloat16", *_DTYPE_ALIASES]
     close = difflib.get_close_matches(name.lower(), choices, n=1)
     return close[0] if close else None
@@ -211,6 +214,12 @@ def _unknown_policy_name(name: str) -> ValueError:
         "dtype such as float8_e4m3fn), or 'key=dtype' pairs such as "
         "'params=float32,compute=float16,output=float32'."
         + (f" Did you mean {guess!r}?" if guess else "")
+        + (
+            f" ({guess}: float32 parameters, {guess[6:]} compute; {guess[6:]!r} puts "
+            "everything, parameters too, in it.)"
+            if guess in ("mixed_float16", "mixed_bfloat16")
+            else ""
+        )
     )
 
 
@@ -308,6 +317,23 @@ def get_policy(policy_name: str) -> Policy:
     compute = chosen.get("compute", params)
     output = chosen.get("output", compute)
     return Policy(params, compute, output)
+
+
+def warn_if_half_params(policy: Policy, given: Any, integration: str) -> None:
+    """Warns (at the user's line) when a policy named by one dtype ("f16", "half", "float16",
+    "bf16") is applied to a model: jmp's names for that dtype everywhere, master weights too,
+    where a newcomer meant mixed precision. A `Policy` or 'key=dtype' pairs that ask for
+    16-bit parameters (with `low_precision_optimizer`) are taken as meant."""
+    if policy.param_dtype.itemsize > 2 or not isinstance(given, str) or "=" in given:
+        return
+    half = policy.param_dtype.name
+    warn_at_user_line(
+        f"{integration}: the policy {given!r} stores the parameters in {half} too ({policy}). "
+        f"Training updates them in {half}, where small updates round away and loss scaling "
+        f"skips most steps with the scale stuck at its floor. For float32 master weights and "
+        f"{half} compute, pass 'mixed_{half}'.",
+        UserWarning,
+    )
 
 
 def check_policy(policy: Any, argument: str = "policy") -> Policy:

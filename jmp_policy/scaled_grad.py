@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from jmp_policy.transform import get_loss_scale
+from jmp_policy.transform import LossScalingState, find_states, get_loss_scale
 
 
 def value_and_scaled_grad(
@@ -53,7 +53,8 @@ def value_and_scaled_grad(
       under `jit` (and `eqx.filter_jit`).
 
     Raises:
-      TypeError: `fun` or `grad_fn` is not callable.
+      TypeError: `fun` or `grad_fn` is not callable; (when called) the first
+        argument holds no `loss_scaling` state (the optimizer state left out).
       ValueError: `argnums` is not 0 with a `grad_fn` that takes no `argnums`.
 
     Examples:
@@ -95,6 +96,17 @@ def value_and_scaled_grad(
         return scaled(scale, first, *rest, **kwargs)
 
     def wrapped(opt_state, *args, **kwargs):
+        if not find_states(opt_state, LossScalingState):
+            raise TypeError(
+                "Expected the optimizer state first, then the loss function's own arguments: "
+                "`jmp_policy.value_and_scaled_grad(loss_fn)(opt_state, params, ...)` (a "
+                "TrainState or nnx.Optimizer does too), got a "
+                f"{type(opt_state).__name__} with no loss_scaling state in it as the first "
+                "argument. Was `opt_state` left out? It carries the loss scale the loss is "
+                "multiplied by. (Or the optimizer was built without loss_scaling: "
+                "`tx = jmp_policy.loss_scaling(optax.adam(1e-3), "
+                "jmp_policy.DynamicLossScale(2.0**15))`.)"
+            )
         scale = get_loss_scale(opt_state)
         if first_only:
             differentiate = grad_fn(scaled_first, has_aux=True)

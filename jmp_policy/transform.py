@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from collections.abc import Hashable
 from typing import Any, NamedTuple, TypeVar
 
@@ -24,7 +23,7 @@ from jax.typing import DTypeLike
 
 from jmp_policy._compat import pure
 from jmp_policy._pytree import register_state
-from jmp_policy._validation import whole_number
+from jmp_policy._validation import warn_at_user_line, whole_number
 from jmp_policy.debugger import GradientStats, empty_gradient_stats, gradient_stats
 from jmp_policy.finite import unscaled_leaf_finite
 from jmp_policy.loss_scale import (
@@ -32,6 +31,7 @@ from jmp_policy.loss_scale import (
     LossScale,
     NoOpLossScale,
     StaticLossScale,
+    scaled_losses,
 )
 
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
@@ -114,6 +114,56 @@ class LossScalingState(NamedTuple):
     gradient_stats: GradientStats | None = None
 
 
+class LossScalingWarning(UserWarning):
+    """A `loss_scaling` optimizer used in a way that trains badly without failing."""
+
+
+def _check_state(state: Any) -> None:
+    if isinstance(state, LossScalingState):
+        return
+    fix = (
+        "Pass the state that `tx.init(params)` returned for `tx = jmp_policy.loss_scaling("
+        "inner, scale)`: `updates, opt_state = tx.update(grads, opt_state, params)`."
+    )
+    if isinstance(state, _LOSS_SCALES):
+        got = (
+            f"a {type(state).__name__} (the loss scale alone; it lives inside the optimizer "
+            "state, where `jmp_policy.get_loss_scale(opt_state)` reads it)"
+        )
+    elif find_states(state, LossScalingState):
+        got = f"a {type(state).__name__} that holds a loss_scaling state inside it"
+        fix = (
+            "Pass the whole state to the transform it belongs to: the chain or wrapper "
+            "around loss_scaling takes the whole state; loss_scaling's own `update` takes "
+            "only its own part."
+        )
+    else:
+        got = (
+            f"a {type(state).__name__} with no loss_scaling state in it (the inner optimizer's "
+            "state, e.g. from `inner.init(params)`?)"
+        )
+    raise TypeError(
+        f"Expected a LossScalingState for `state` of loss_scaling's update, got {got}. {fix}"
+    )
+
+
+def _warn_if_gradients_unscaled(loss_scale: LossScale) -> None:
+    warn_at_user_line(
+        "loss_scaling: this first update of the optimizer was traced, and no loss was scaled "
+        f"since the optimizer was built (its {type(loss_scale).__name__} was never applied "
+        "to a loss). Its `update` takes the gradients of the *scaled* loss and divides them "
+        "by the scale: gradients of the plain loss (jax.grad / jax.value_and_grad / "
+        "nnx.grad / eqx.filter_grad next to loss_scaling) make every update S times too small "
+        "(S the loss scale, 2^15 for DynamicLossScale(2.0**15)), with no error. Compute them with "
+        "`loss, grads = jmp_policy.value_and_scaled_grad(loss_fn)(opt_state, params, ...)` "
+        "(Equinox: `jmp_policy.eqx.filter_value_and_scaled_grad`; NNX: "
+        "`grad_fn=nnx.value_and_grad`), or scale the loss yourself with "
+        "`jmp_policy.get_loss_scale(opt_state).scale(loss)` inside the differentiated "
+        "function (that marks it too).",
+        LossScalingWarning,
+    )
+
+
 def _half_leaves(tree: Any) -> list[str]:
     found = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -134,7 +184,7 @@ def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
         half = _half_leaves(tree)
         if half:
             shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")
-            warnings.warn(
+            warn_at_user_line(
                 f"loss_scaling: {what} are in half precision ({shown}). Weight updates must "
                 "not run in float16/bfloat16: small updates round away and Adam's eps "
                 "underflows to 0 in float16. Keep float32 master weights and cast a copy for "
@@ -144,7 +194,6 @@ def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
                 "without losing the small updates: wrap the optimizer in "
                 "`jmp_policy.low_precision_optimizer` (stochastic rounding, Kahan or split).",
                 UserWarning,
-                stacklevel=3,
             )
 
 
@@ -245,6 +294,10 @@ def loss_scaling(
             f"Expected a floating dtype such as 'float16' for `stats_dtype`, got {stats_dtype!r}."
         )
     inner = optax.with_extra_args_support(inner)
+    # The mark of a scaled loss: `scale` of a loss scale counts its calls. If none ran between
+    # building this optimizer and tracing its first update, its gradients are unscaled.
+    losses_scaled_before = scaled_losses()
+    checked = []
 
     def init_fn(params):
         inner_state = inner.init(params)
@@ -268,7 +321,14 @@ def loss_scaling(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
+        _check_state(state)
         loss_scale = state.loss_scale
+        if not checked:  # once: at the first trace (or eager call) of this optimizer's update
+            checked.append(True)
+            if not isinstance(loss_scale, NoOpLossScale) and (
+                scaled_losses() == losses_scaled_before
+            ):
+                _warn_if_gradients_unscaled(loss_scale)
         old_flags = state.nonfinite_leaves
         leaf_finite = unscaled_leaf_finite(updates, loss_scale, axis_name)
         finite = leaf_finite.all()
@@ -426,9 +486,10 @@ def unless_skipped(opt_state: Any, new: T, old: T) -> T:
             return n
         # A batched state (vmap over ensembles) has a decision per member.
         pick = jnp.reshape(skipped, jnp.shape(skipped) + (1,) * (jnp.ndim(n) - jnp.ndim(skipped)))
-        return jnp.where(pick, o, n)
+        return jnp.where(pick, jnp.asarray(o), jnp.asarray(n))
 
-    return jax.tree.unflatten(treedef, [keep(n, o) for n, o in zip(new_leaves, old_leaves)])
+    kept = [keep(n, o) for n, o in zip(new_leaves, old_leaves, strict=True)]
+    return jax.tree.unflatten(treedef, kept)
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:

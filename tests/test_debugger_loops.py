@@ -100,9 +100,7 @@ class Stack(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(8)(x)
-        blocks = nn.scan(
-            Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
-        )
+        blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
         x, _ = blocks()(x, None)
         return nn.Dense(1)(x)
 

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from flax import linen as nn
+from flax import nnx
 from flax.training import train_state
 
 import jmp_policy as jmp
@@ -152,7 +152,9 @@ def test_linen_forward_overflow_keeps_batch_stats_under_donation():
             state, state.params, state.batch_stats, x, y
         )
         new = state.apply_gradients(grads=grads)
-        return new.replace(batch_stats=jmp.unless_skipped(new, batch_stats, state.batch_stats)), loss
+        return new.replace(
+            batch_stats=jmp.unless_skipped(new, batch_stats, state.batch_stats)
+        ), loss
 
     donated = jax.jit(train_step, donate_argnums=0)  # the state's buffers reused
     state, _ = donated(state, x, y)
@@ -184,7 +186,9 @@ class _NnxNet(nnx.Module):
 
 
 def test_nnx_forward_overflow_keeps_batch_stats_and_rng_counts():
-    model = jmp.nnx.mixed_precision(_NnxNet(nnx.Rngs(0, dropout=1)), jmp.get_policy("mixed_float16"))
+    model = jmp.nnx.mixed_precision(
+        _NnxNet(nnx.Rngs(0, dropout=1)), jmp.get_policy("mixed_float16")
+    )
     optimizer = nnx.Optimizer(
         model, jmp.loss_scaling(optax.adam(1e-2), jmp.DynamicLossScale(2.0**15)), wrt=nnx.Param
     )

@@ -1,0 +1,237 @@
+"""Newcomer mistakes, each caught at its first step with the fix named (docs/mistakes.md).
+
+Each test asserts the exact class of the error or warning and that its text names the fix; the
+correct code beside each mistake runs with every warning an error.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+import jmp_policy as jmp
+
+eqx = pytest.importorskip("equinox")
+
+pytestmark = pytest.mark.standard_promotion  # user code: optax's Adam mixes float and int
+
+PARAMS = {"w": jnp.array([0.5, -1.0])}
+X = jnp.array([1.0, 2.0])
+
+
+def _loss(params, x):
+    return jnp.sum((params["w"] * x) ** 2)
+
+
+def _scaled_tx(inner=None):
+    return jmp.loss_scaling(inner or optax.sgd(0.1), jmp.DynamicLossScale(2.0**15))
+
+
+# --- 1. Plain gradients next to loss_scaling --------------------------------------------
+
+
+def test_plain_gradients_next_to_loss_scaling_warn_at_the_first_step_on_the_users_line():
+    tx = _scaled_tx()
+
+    @jax.jit
+    def train_step(params, opt_state, x):
+        loss, grads = jax.value_and_grad(_loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)  # the line the warning names
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = tx.init(PARAMS)
+    with pytest.warns(jmp.LossScalingWarning, match="value_and_scaled_grad") as caught:
+        params, opt_state, _ = train_step(PARAMS, opt_state, X)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the later steps are quiet
+        train_step(params, opt_state, X)
+
+
+def _no_warning(run):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return run()
+
+
+def test_correct_gradients_never_warn_inside_or_outside_the_step():
+    # value_and_scaled_grad in the step; in a separate jitted function; jmp-style scaling.
+    tx = _scaled_tx()
+    opt_state = tx.init(PARAMS)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        _, grads = jmp.value_and_scaled_grad(_loss)(opt_state, params, x)
+        return tx.update(grads, opt_state, params)
+
+    _no_warning(lambda: step(PARAMS, opt_state, X))
+
+    tx = _scaled_tx()
+    opt_state = tx.init(PARAMS)
+    grads = jax.jit(lambda s, p, x: jmp.value_and_scaled_grad(_loss)(s, p, x)[1])(
+        opt_state, PARAMS, X
+    )
+    _no_warning(lambda: jax.jit(tx.update)(grads, opt_state, PARAMS))
+
+    tx = _scaled_tx()
+    opt_state = tx.init(PARAMS)
+    scaled = lambda p: jmp.get_loss_scale(opt_state).scale(_loss(p, X))  # noqa: E731
+    updates, _ = _no_warning(lambda: tx.update(jax.grad(scaled)(PARAMS), opt_state, PARAMS))
+    assert np.allclose(updates["w"], -0.1 * jax.grad(_loss)(PARAMS, X)["w"])
+
+    # NoOpLossScale (bfloat16) takes plain gradients: nothing to warn about.
+    tx = jmp.loss_scaling(optax.sgd(0.1), jmp.NoOpLossScale())
+    _no_warning(lambda: tx.update(jax.grad(_loss)(PARAMS, X), tx.init(PARAMS), PARAMS))
+
+
+def test_correct_gradients_do_not_warn_under_multisteps_and_shard_map():
+    tx = optax.MultiSteps(_scaled_tx(), every_k_schedule=2)
+    opt_state = tx.init(PARAMS)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        _, grads = jmp.value_and_scaled_grad(_loss)(opt_state, params, x)
+        return tx.update(grads, opt_state, params)
+
+    _no_warning(lambda: step(PARAMS, opt_state, X))
+
+    tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**15), axis_name="data")
+    opt_state = tx.init(PARAMS)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+
+    def sharded(params, opt_state, x):
+        _, grads = jmp.value_and_scaled_grad(_loss)(opt_state, params, x)
+        grads = jax.lax.pmean(grads, "data")
+        return tx.update(grads, opt_state, params)
+
+    spec = PartitionSpec()
+    run = jax.jit(
+        jax.shard_map(sharded, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec))
+    )
+    _no_warning(lambda: run(PARAMS, opt_state, X))
+
+
+def test_equinox_and_nnx_train_steps_do_not_warn_and_their_plain_grads_do():
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    loss_fn = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+
+    def eqx_step(grad):
+        tx = _scaled_tx()
+        opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+        @eqx.filter_jit
+        def step(model, opt_state, x):
+            grads = grad(opt_state, model, x)
+            updates, opt_state = tx.update(
+                grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+            )
+            return eqx.apply_updates(model, updates), opt_state
+
+        return lambda: step(model, opt_state, X)
+
+    _no_warning(eqx_step(lambda s, m, x: jmp.eqx.filter_value_and_scaled_grad(loss_fn)(s, m, x)[1]))
+    with pytest.warns(jmp.LossScalingWarning, match="filter_value_and_scaled_grad"):
+        eqx_step(lambda s, m, x: eqx.filter_grad(loss_fn)(m, x))()
+
+    def nnx_step(scaled):
+        net = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(net, _scaled_tx(), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(net, optimizer, x):
+            if scaled:
+                _, grads = jmp.value_and_scaled_grad(loss_fn, grad_fn=nnx.value_and_grad)(
+                    optimizer, net, x
+                )
+            else:
+                grads = nnx.grad(loss_fn)(net, x)
+            optimizer.update(net, grads)
+
+        return lambda: step(net, optimizer, X)
+
+    _no_warning(nnx_step(scaled=True))
+    with pytest.warns(jmp.LossScalingWarning, match="nnx.value_and_grad"):
+        nnx_step(scaled=False)()
+
+
+# --- 2. The wrong state to tx.update ----------------------------------------------------
+
+
+def test_the_wrong_state_to_update_is_a_type_error_that_names_the_fix():
+    tx = _scaled_tx(optax.adam(1e-3))
+    grads = jax.grad(_loss)(PARAMS, X)
+    with pytest.raises(TypeError, match=r"inner optimizer's state.*tx\.init\(params\)"):
+        tx.update(grads, optax.adam(1e-3).init(PARAMS), PARAMS)
+    with pytest.raises(TypeError, match=r"DynamicLossScale \(the loss scale alone.*tx\.init"):
+        tx.update(grads, jmp.DynamicLossScale(2.0**15), PARAMS)
+
+
+# --- 3. The optimizer state left out of value_and_scaled_grad ---------------------------
+
+
+def test_leaving_out_the_optimizer_state_names_the_missing_argument():
+    grad = jmp.value_and_scaled_grad(_loss)
+    with pytest.raises(TypeError, match=r"opt_state.*left out"):
+        grad(PARAMS, X)
+
+
+# --- 4. Names that lead somewhere good --------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["fp16", "FP16", "bf16_"])
+def test_half_precision_names_suggest_the_mixed_policy_first(name):
+    with pytest.raises(ValueError, match=r"Did you mean 'mixed_b?float16'\? \(mixed_"):
+        jmp.get_policy(name)
+
+
+@pytest.mark.parametrize("apply", ["linen", "nnx", "eqx"])
+def test_a_policy_with_16_bit_parameters_on_a_model_warns_at_the_users_line(apply):
+    import flax.linen as nn
+
+    with pytest.warns(UserWarning, match="pass 'mixed_float16'") as caught:
+        if apply == "linen":
+            jmp.linen.mixed_precision(nn.Dense(2), "f16")
+        elif apply == "nnx":
+            jmp.nnx.mixed_precision(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "half")
+        else:
+            jmp.eqx.mixed_precision(eqx.nn.Linear(2, 2, key=jax.random.key(0)), "float16")
+    assert caught[0].filename == __file__
+
+
+@pytest.mark.filterwarnings("ignore::jmp_policy.LossScalingWarning")  # hand-made gradients
+def test_the_report_says_when_the_scale_sits_at_its_floor():
+    tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(4.0, min_loss_scale=1.0))
+    opt_state = tx.init(PARAMS)
+    bad = {"w": jnp.array([jnp.inf, 1.0])}
+    for _ in range(4):
+        _, opt_state = tx.update(bad, opt_state, PARAMS)
+    report = jmp.loss_scaling_report(opt_state)
+    assert report.at_floor and report.skipped_steps == 4
+    assert "sits at its floor" in str(report) and "mixed_float16" in str(report)
+
+
+def test_the_half_master_weights_warning_names_the_users_line():
+    half = jax.tree.map(lambda x: x.astype(jnp.float16), PARAMS)
+    with pytest.warns(UserWarning, match="half precision") as caught:
+        _scaled_tx().init(half)
+    assert caught[0].filename == __file__
+
+
+# --- 5. Equinox -------------------------------------------------------------------------
+
+
+def test_the_equinox_wrapper_reads_the_models_attributes_and_rewraps_with_the_new_policy():
+    mlp = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
+    model = jmp.eqx.mixed_precision(mlp, "mixed_float16")
+    assert model.layers is model.model.layers and model.depth == 2
+    with pytest.raises(AttributeError):
+        model.no_such_field  # noqa: B018
+    again = jmp.eqx.mixed_precision(model, "mixed_bfloat16")
+    assert type(again.model) is eqx.nn.MLP  # one wrapper, not two
+    assert again.policy == jmp.get_policy("mixed_bfloat16")
+    assert jmp.precision_report(again, jnp.ones(2)).counts["dot_general"] == {"bfloat16": 3}
