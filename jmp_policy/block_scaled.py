@@ -169,9 +169,11 @@ def block_scaled_dot_general(
     numerics elsewhere.
 
     Args:
-      lhs, rhs, dimension_numbers: as for `lax.dot_general`. The contracting axes of each
+      lhs: the left operand, as for `lax.dot_general`. The contracting axes of each
         operand must hold whole blocks (32 values for MXFP8, 16 for NVFP4), and so must the
         free axes for MXFP8's gradients (`eligible`).
+      rhs: the right operand.
+      dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
       mode: "mxfp8" or "nvfp4" (JAX's configs, `jax.nn.get_scaled_dot_general_config`).
       preferred_element_type: the output dtype: float32, bfloat16 or float16.
       implementation: None (JAX's op on GPU, the emulation elsewhere) or "emulated".
