@@ -59,17 +59,20 @@ def _no_warning(run):
         return run()
 
 
-def test_correct_gradients_never_warn_inside_or_outside_the_step():
-    # value_and_scaled_grad in the step; in a separate jitted function; jmp-style scaling.
-    tx = _scaled_tx()
-    opt_state = tx.init(PARAMS)
+def _first_step(tx):
+    """The first step of a correct train step with `tx`, as a function to run."""
 
     @jax.jit
     def step(params, opt_state, x):
         _, grads = jmp.value_and_scaled_grad(_loss)(opt_state, params, x)
         return tx.update(grads, opt_state, params)
 
-    _no_warning(lambda: step(PARAMS, opt_state, X))
+    return lambda: step(PARAMS, tx.init(PARAMS), X)
+
+
+def test_correct_gradients_never_warn_inside_or_outside_the_step():
+    # value_and_scaled_grad in the step; in a separate jitted function; jmp-style scaling.
+    _no_warning(_first_step(_scaled_tx()))
 
     tx = _scaled_tx()
     opt_state = tx.init(PARAMS)
@@ -90,15 +93,7 @@ def test_correct_gradients_never_warn_inside_or_outside_the_step():
 
 
 def test_correct_gradients_do_not_warn_under_multisteps_and_shard_map():
-    tx = optax.MultiSteps(_scaled_tx(), every_k_schedule=2)
-    opt_state = tx.init(PARAMS)
-
-    @jax.jit
-    def step(params, opt_state, x):
-        _, grads = jmp.value_and_scaled_grad(_loss)(opt_state, params, x)
-        return tx.update(grads, opt_state, params)
-
-    _no_warning(lambda: step(PARAMS, opt_state, X))
+    _no_warning(_first_step(optax.MultiSteps(_scaled_tx(), every_k_schedule=2)))
 
     tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**15), axis_name="data")
     opt_state = tx.init(PARAMS)
