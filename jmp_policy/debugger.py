@@ -795,6 +795,9 @@ class _Collector(_Interpreter):
         p, where = eqn.params, self._where(eqn)
         if name == "cond":
             index, runs, flags = invals[0], [], []
+            if not isinstance(index, jax.Array):  # a literal: only that branch can run
+                taken = int(np.clip(int(index), 0, len(p["branches"]) - 1))
+                return self.call(p["branches"][taken], invals[1:], in_flags[1:], here, seeded)
             for b, branch in enumerate(p["branches"]):
                 self._guards.append((self._keep(index)[1], b))
                 self._place.append((where, b))
@@ -840,7 +843,7 @@ class _Collector(_Interpreter):
             # Not known yet: run it whole, with a counter, for the next run of the program.
             outs = eqn.primitive.bind(*bind_params(eqn.primitive, eqn.params)[0], *invals, **p)
             self.pending[where] = self._keep(_trip_count(p, cond_consts, body_consts, carry))[1]
-            self.flags_out = _merge_flags([in_flags[cc + bc :]] * 2)
+            self.flags_out = list(in_flags[cc + bc :])  # this run is not recorded
             return list(outs)
         carry_flags = in_flags[cc + bc :]
         for i in range(self.trip_counts[where]):
