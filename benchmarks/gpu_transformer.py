@@ -1,6 +1,7 @@
-"""GPU benchmark: a GPT-style transformer train step in float32, bfloat16, float16 and float8.
+"""GPU benchmark: a GPT-style transformer train step in float32, bfloat16, float16, float8,
+MXFP8 and NVFP4.
 
-12 layers, d=768, 12 heads, sequence 1024 (GPT-2 small's shape), AdamW. Four
+12 layers, d=768, 12 heads, sequence 1024 (GPT-2 small's shape), AdamW. Six
 configurations, each in its own process so peak memory is its own:
 
 - float32;
@@ -8,11 +9,14 @@ configurations, each in its own process so peak memory is its own:
 - mixed_float16 + dynamic loss scaling (`jmp_policy.loss_scaling`);
 - mixed_float8: `linen.mixed_precision(..., "mixed_float8")` (the Dense
   layers' matmuls in float8 with current tensorwise scaling, the logits head
-  and everything else in bfloat16).
+  and everything else in bfloat16);
+- mixed_mxfp8 and mixed_nvfp4: the same Dense layers in those block-scaled formats
+  (`jax.nn.scaled_dot_general` on a GPU, through `jmp_policy.block_scaled`).
 
 Reports tokens/s, peak device memory (`memory_stats()`), the speedup over
-float32, and how many fp8 GEMMs (cuBLASLt float8 custom calls) the compiled
-step holds, so a silent fallback to bfloat16 is caught. Exits with a message
+float32, how many fp8 GEMMs (cuBLASLt float8 custom calls) and how many
+block-scaled GEMMs (the custom calls JAX's `scaled_dot_general` lowers to) the
+compiled step holds, so a silent fallback to bfloat16 is caught. Exits with a message
 on machines without a GPU (`--cpu-smoke` runs every configuration at a tiny
 size on CPU instead, for the test suite).
 
@@ -26,7 +30,15 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("float32", "mixed_bfloat16", "mixed_float16", "mixed_float8")
+CONFIGS = (
+    "float32",
+    "mixed_bfloat16",
+    "mixed_float16",
+    "mixed_float8",
+    "mixed_mxfp8",
+    "mixed_nvfp4",
+)
+BLOCK_SCALED = ("mixed_mxfp8", "mixed_nvfp4")
 
 
 def fp8_gemms(hlo: str) -> int:
@@ -38,6 +50,16 @@ def fp8_gemms(hlo: str) -> int:
     gemm = re.compile(r"__cublas\$lt\$matmul|__triton_gemm")
     float8 = re.compile(r"f8e4m3fn|f8e5m2")
     return sum(1 for line in hlo.splitlines() if gemm.search(line) and float8.search(line))
+
+
+def block_scaled_gemms(hlo: str) -> int:
+    """How many block-scaled GEMMs an optimized HLO module calls: custom calls whose target
+    names a block-scaled dot (JAX's `__op$block_scaled_dot`, or the cuDNN call XLA makes of
+    it). Not yet seen on a Blackwell GPU: a zero there means the pattern needs a look first."""
+    call = re.compile(
+        r"custom[-_]call.*custom_call_target=\"[^\"]*(?:block_scaled|[Bb]lock[Ss]cale)"
+    )
+    return sum(1 for line in hlo.splitlines() if call.search(line))
 
 
 def measure(config, args):
@@ -65,7 +87,8 @@ def measure(config, args):
                 x = Block()(x, mask)
             return nn.Dense(args.vocab, name="head")(nn.LayerNorm()(x))
 
-    # Under mixed_float8 the Dense layers multiply in float8, the head in bfloat16.
+    # Under mixed_float8 (MXFP8, NVFP4) the Dense layers multiply in float8 (those formats),
+    # the head in bfloat16.
     model = jmp.linen.mixed_precision(GPT(), jmp.get_policy(config))
     apply = model.apply
     tokens = jax.random.randint(jax.random.key(0), (args.batch, args.length + 1), 0, args.vocab)
@@ -109,6 +132,7 @@ def measure(config, args):
         "skipped": skipped,
         "device": jax.devices()[0].device_kind,
         "fp8_gemms": fp8_gemms(hlo),
+        "block_gemms": block_scaled_gemms(hlo),
         "fp8_share": fp8_share,
     }
 
@@ -119,18 +143,19 @@ def table(results) -> str:
         f"GPT-style train step on {base['device']}",
         "",
         "| config | tokens/s | step ms | speedup vs float32 | peak memory GiB | memory vs float32 "
-        "| fp8 matmul FLOPs | fp8 GEMMs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| 8-bit matmul FLOPs | fp8 GEMMs | block-scaled GEMMs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        fallback = (
-            " (none: fell back)" if r["config"] == "mixed_float8" and not r["fp8_gemms"] else ""
+        fell_back = (r["config"] == "mixed_float8" and not r["fp8_gemms"]) or (
+            r["config"] in BLOCK_SCALED and not r["block_gemms"]
         )
+        fallback = " (none: fell back)" if fell_back else ""
         lines.append(
             f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['peak_gib']:.2f} | "
             f"{r['peak_gib'] / max(base['peak_gib'], 1e-9):.2f}x | {100 * r['fp8_share']:.0f}% | "
-            f"{r['fp8_gemms']}{fallback} |"
+            f"{r['fp8_gemms']} | {r['block_gemms']}{fallback} |"
         )
     return "\n".join(lines)
 

@@ -43,6 +43,7 @@ from jmp_policy.fp8 import (
     FORMATS,
     FP8_EXCLUDE,
     SCALINGS,
+    float8_format,
     fp8_dot_general,
     fp8_eligible,
     fp8_excluded_by,
@@ -157,6 +158,7 @@ class _Rules:
     ) -> _Rules:
         if policy.compute_dtype.itemsize == 1:  # float8: matmuls only
             compute = casting_policy(policy).compute_dtype
+            fp8 = (fp8[0], float8_format(policy.compute_dtype, fp8[1]))  # or block-scaled
             return cls(compute, policy.output_dtype, allow, deny, fp8, fp8_exclude)
         half = policy.compute_dtype != _FLOAT32
         return cls(
@@ -370,10 +372,10 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
         dimension_numbers = eqn.params["dimension_numbers"]
         outer = "" if _source_info is None else str(_source_info.current_name_stack())
         where = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
-        if fp8_eligible(lhs.shape, rhs.shape, dimension_numbers) is None and (
+        scaling, fmt = rules.fp8
+        if fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, fmt) is None and (
             fp8_excluded_by(where, rules.fp8_exclude) is None
         ):
-            scaling, fmt = rules.fp8
             with _source_context(eqn):
                 out = fp8_dot_general(
                     lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling, out_dtype=rules.compute

@@ -7,15 +7,18 @@ them as `jax.nn.scaled_dot_general` with `jax.nn.get_scaled_dot_general_config`,
 GPUs only. `block_scaled_dot_general` calls that op on GPU and, everywhere else, emulates it:
 each operand is quantized per block exactly as JAX's op quantizes it (the block's amax over the
 format's largest value, the scale rounded up to a power of two for MXFP8 or cast to e4m3 for
-NVFP4, values clipped and cast), dequantized, and multiplied in float32 (products of these
-values are exact in float32; only the order of the float32 sum can differ from a GPU's).
+NVFP4, values clipped and cast), and the blocks are multiplied as a block-scaled GEMM does: a
+float8 dot per block with a float32 result (NVFP4's values are float8_e4m3fn values too), times
+the two blocks' scales, summed in float32 (only the order of that sum can differ from a GPU's).
 
 The backward pass is JAX's op's: with MXFP8 both gradient matmuls quantize their operands too
 (the cotangent with the `grads` config, blocks along the axis each gradient matmul contracts);
 with NVFP4 they run in float32, and gradients of values clipped in the forward pass are zero.
+One difference: an MXFP8 gradient matmul whose contracted axes do not hold whole blocks (a
+matmul under `vmap`, whose rows are one example) runs in float32, where JAX's op refuses it.
 
-This is a building block, not yet a policy: the `"mixed_mxfp8"`/`"mixed_nvfp4"` presets and their
-use by `autocast` and the Flax/Equinox integrations are issue 47's remaining work.
+The policies `"mixed_mxfp8"` and `"mixed_nvfp4"` put these matmuls wherever `"mixed_float8"`
+puts float8 ones (`autocast`, `linen`/`nnx`/`eqx.mixed_precision`, through `jmp_policy.fp8`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,36 @@ def _round_up_to_power_of_two(scale: jax.Array) -> jax.Array:
     return jnp.where(value == 0, jnp.float32(2.0**-127), value)
 
 
+def _blocks(x: jax.Array, axes: tuple[int, ...], mode: str) -> tuple[jax.Array, jax.Array, Any]:
+    """`x` quantized in blocks along `axes`: `(values, scales, global_scale)`.
+
+    `values` in the format's dtype, shaped `(other axes..., blocks, block size)` with `axes`
+    moved last and flattened in order; `scales` as float32 of shape `(other axes..., blocks,
+    1)`; `global_scale` a float32 scalar for NVFP4, None for MXFP8. What JAX's
+    `scaled_dot_general` quantization makes of `x` when `axes` are the ones it contracts.
+    """
+    config = _config(mode)
+    others = tuple(d for d in range(x.ndim) if d not in axes)
+    moved = jnp.transpose(x.astype(jnp.float32), others + tuple(axes))
+    k = math.prod(moved.shape[len(others) :])
+    blocks = moved.reshape(*moved.shape[: len(others)], k // config.block_size, config.block_size)
+    largest = float(jnp.finfo(config.data_type).max)
+    if mode == "mxfp8":
+        amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+        scale = _round_up_to_power_of_two(amax / largest)
+        global_scale = None
+    else:
+        global_scale = config.global_scale[0].astype(jnp.float32)
+        blocks = blocks / global_scale
+        amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+        scale_max = float(jnp.finfo(config.scale_type).max)
+        # The scale itself is stored in e4m3; the barrier keeps XLA from folding the cast away.
+        scale = jnp.clip(amax / largest, 0, scale_max).astype(config.scale_type)
+        scale = lax.optimization_barrier(scale).astype(jnp.float32)
+    values = jnp.clip(blocks / scale, -largest, largest).astype(config.data_type)
+    return values, scale, global_scale
+
+
 def fake_quantize(x: jax.Array, axes: tuple[int, ...], mode: str) -> jax.Array:
     """`x` quantized to `mode` in blocks along `axes` (flattened, in order), and back in float32.
 
@@ -64,31 +97,45 @@ def fake_quantize(x: jax.Array, axes: tuple[int, ...], mode: str) -> jax.Array:
       >>> float(jnp.abs(q - x).max()) < 2 ** -4  # e4m3: 3 mantissa bits
       True
     """
-    config = _config(mode)
-    others = tuple(d for d in range(x.ndim) if d not in axes)
-    moved = jnp.transpose(x.astype(jnp.float32), others + tuple(axes))
-    shape = moved.shape
-    k = math.prod(shape[len(others) :])
-    blocks = moved.reshape(*shape[: len(others)], k // config.block_size, config.block_size)
-    largest = float(jnp.finfo(config.data_type).max)
-    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-    if mode == "mxfp8":
-        scale = _round_up_to_power_of_two(amax / largest)
-        global_scale = None
-    else:
-        global_scale = config.global_scale.astype(jnp.float32)
-        blocks = blocks / global_scale
-        amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-        scale_max = float(jnp.finfo(config.scale_type).max)
-        # The scale itself is stored in e4m3; the barrier keeps XLA from folding the cast away.
-        scale = jnp.clip(amax / largest, 0, scale_max).astype(config.scale_type)
-        scale = lax.optimization_barrier(scale).astype(jnp.float32)
-    values = jnp.clip(blocks / scale, -largest, largest).astype(config.data_type)
+    values, scale, global_scale = _blocks(x, axes, mode)
     dequantized = values.astype(jnp.float32) * scale
     if global_scale is not None:
         dequantized = dequantized * global_scale
+    others = tuple(d for d in range(x.ndim) if d not in axes)
+    moved_shape = tuple(x.shape[d] for d in others + tuple(axes))
     back = np.argsort(others + tuple(axes))
-    return jnp.transpose(dequantized.reshape(shape), tuple(back))
+    return jnp.transpose(dequantized.reshape(moved_shape), tuple(back))
+
+
+def _block_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, mode: str) -> jax.Array:
+    """The forward block-scaled GEMM, as the hardware runs it: per block, a dot of the format's
+    values with a float32 result, times the two blocks' scales, summed over the blocks."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs_free, rhs_free = _free(lhs.ndim, lc, lb), _free(rhs.ndim, rc, rb)
+    # Batch axes first, then the free ones: `_blocks` keeps the order of the axes it leaves.
+    lhs = jnp.transpose(lhs, (*lb, *lhs_free, *lc))
+    rhs = jnp.transpose(rhs, (*rb, *rhs_free, *rc))
+    nb, nl = len(lb), len(lhs_free)
+    contract_l = tuple(range(nb + nl, lhs.ndim))
+    contract_r = tuple(range(nb + len(rhs_free), rhs.ndim))
+    lv, ls, lg = _blocks(lhs, contract_l, mode)
+    rv, rs, rg = _blocks(rhs, contract_r, mode)
+    batch, lf, rf = lhs.shape[:nb], lhs.shape[nb : nb + nl], rhs.shape[nb : -len(rc) or None]
+    b, m, n = math.prod(batch), math.prod(lf), math.prod(rf)
+    blocks = lv.shape[-2]
+    # float4 has no XLA:CPU dot; its values are float8_e4m3fn values too (exactly).
+    wide = jnp.float8_e4m3fn
+    lv = lv.astype(wide).reshape(b, m, blocks, -1)
+    rv = rv.astype(wide).reshape(b, n, blocks, -1)
+    per_block = lax.dot_general(
+        lv, rv, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=jnp.float32
+    )  # (b, blocks, m, n)
+    ls = jnp.moveaxis(ls.reshape(b, m, blocks), -1, 1)[..., None]
+    rs = jnp.moveaxis(rs.reshape(b, n, blocks), -1, 1)[:, :, None, :]
+    out = jnp.sum(per_block * ls * rs, axis=1)
+    if lg is not None:
+        out = out * (lg * rg)
+    return out.reshape(*batch, *lf, *rf)
 
 
 def eligible(x_shape: tuple[int, ...], axes: tuple[int, ...], mode: str) -> bool:
@@ -105,14 +152,7 @@ def _free(ndim: int, *taken: tuple[int, ...]) -> tuple[int, ...]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _emulated(lhs, rhs, dimension_numbers, mode, out_dtype):
-    (lc, rc), _ = dimension_numbers
-    out = lax.dot_general(
-        fake_quantize(lhs, lc, mode),
-        fake_quantize(rhs, rc, mode),
-        dimension_numbers,
-        preferred_element_type=jnp.float32,
-    )
-    return out.astype(out_dtype)
+    return _block_dot(lhs, rhs, dimension_numbers, mode).astype(out_dtype)
 
 
 def _emulated_fwd(lhs, rhs, dimension_numbers, mode, out_dtype):
@@ -128,13 +168,16 @@ def _emulated_bwd(dimension_numbers, mode, out_dtype, residuals, g):
     g_lhs_free = tuple(range(nb, nb + len(lhs_free)))
     g_rhs_free = tuple(range(nb + len(lhs_free), g.ndim))
     g = g.astype(jnp.float32)
-    if mode == "mxfp8":
-        # Each gradient matmul quantizes its operands along the axes it contracts.
+    g_for_lhs = g_for_rhs = g
+    lhs_q, rhs_q = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+    # MXFP8: each gradient matmul quantizes its operands along the axes it contracts (N for
+    # the lhs gradient, M for the rhs's). Where those do not hold whole blocks (M = 1 for a
+    # matmul under `vmap`, whose batch is summed outside it) that matmul runs in float32,
+    # where JAX's op refuses the shapes. NVFP4: gradients in float32, as JAX's op makes them.
+    if mode == "mxfp8" and eligible(rhs.shape, rhs_free, mode):
         g_for_lhs, rhs_q = fake_quantize(g, g_rhs_free, mode), fake_quantize(rhs, rhs_free, mode)
+    if mode == "mxfp8" and eligible(lhs.shape, lhs_free, mode):
         g_for_rhs, lhs_q = fake_quantize(g, g_lhs_free, mode), fake_quantize(lhs, lhs_free, mode)
-    else:  # NVFP4: gradients in float32, as JAX's op computes them
-        g_for_lhs = g_for_rhs = g
-        lhs_q, rhs_q = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
 
     def dot(a, b):
         return lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
@@ -170,8 +213,8 @@ def block_scaled_dot_general(
 
     Args:
       lhs: the left operand, as for `lax.dot_general`. The contracting axes of each
-        operand must hold whole blocks (32 values for MXFP8, 16 for NVFP4), and so must the
-        free axes for MXFP8's gradients (`eligible`).
+        operand must hold whole blocks (32 values for MXFP8, 16 for NVFP4; `eligible`). An
+        MXFP8 gradient matmul whose contracted (free) axes do not runs in float32.
       rhs: the right operand.
       dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
       mode: "mxfp8" or "nvfp4" (JAX's configs, `jax.nn.get_scaled_dot_general_config`).

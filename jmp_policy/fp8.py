@@ -38,10 +38,26 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 from jmp_policy._pytree import register_state
+from jmp_policy.block_scaled import MODES, block_scaled_dot_general, eligible
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FORMATS = ("hybrid", "e4m3")
+BLOCK_FORMATS = {"float8_e8m0fnu": "mxfp8", "float4_e2m1fn": "nvfp4"}
+"""The compute dtypes that name a block-scaled format (`mixed_mxfp8`, `mixed_nvfp4`)."""
+
+
+def block_format(compute_dtype: DTypeLike) -> str | None:
+    """The block-scaled format `compute_dtype` names ("mxfp8" or "nvfp4"), else None."""
+    return BLOCK_FORMATS.get(np.dtype(compute_dtype).name)
+
+
+def float8_format(compute_dtype: DTypeLike, fmt: str = "hybrid") -> str:
+    """The `fmt` a float8 layer of this compute dtype multiplies in: its block-scaled format,
+    else `fmt` (per-tensor float8)."""
+    return block_format(compute_dtype) or fmt
+
+
 SCALINGS = ("tensorwise", "rowwise")
 
 
@@ -113,10 +129,10 @@ def _current(x: jax.Array, dtype: np.dtype, power_of_two: bool) -> tuple[jax.Arr
 
 
 def _check_format(fmt: str) -> str:
-    if fmt not in FORMATS:
+    if fmt not in FORMATS and fmt not in MODES:
         raise ValueError(
             f"Unknown fp8 format {fmt!r} for `fmt`: expected 'hybrid' (e4m3 forward, e5m2 "
-            "gradients) or 'e4m3' (e4m3 everywhere)."
+            "gradients), 'e4m3' (e4m3 everywhere), or a block-scaled 'mxfp8' or 'nvfp4'."
         )
     return fmt
 
@@ -154,15 +170,23 @@ def fp8_layer(compute_dtype: DTypeLike, where: str) -> bool:
 _FP8_MULTIPLE = 16
 
 
-def fp8_eligible(lhs_shape: tuple, rhs_shape: tuple, dimension_numbers: Any) -> str | None:
-    """None if a `dot_general` of these shapes runs in float8 under `mixed_float8`, else why not.
+def fp8_eligible(
+    lhs_shape: tuple, rhs_shape: tuple, dimension_numbers: Any, fmt: str = "hybrid"
+) -> str | None:
+    """None if a `dot_general` of these shapes runs in float8 under `mixed_float8` (`fmt`
+    "mxfp8"/"nvfp4": in that block-scaled format), else why not.
 
     Examples:
       >>> from jmp_policy.fp8 import fp8_eligible
       >>> fp8_eligible((32, 64), (64, 10), (((1,), (0,)), ((), ())))
       'N (output width) = 10 is not a multiple of 16'
     """
-    (_, rhs_contract), (_, rhs_batch) = dimension_numbers
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if fmt in MODES:  # whole blocks along K (the gradient matmuls see to their own axes)
+        if not eligible(tuple(lhs_shape), tuple(lhs_contract), fmt):
+            k = int(np.prod([lhs_shape[d] for d in lhs_contract]))
+            return f"K (contraction) = {k} does not hold whole {fmt} blocks"
+        return None
     k = int(np.prod([rhs_shape[d] for d in rhs_contract]))
     n = int(np.prod([s for d, s in enumerate(rhs_shape) if d not in (*rhs_contract, *rhs_batch)]))
     for what, size in (("K (contraction)", k), ("N (output width)", n)):
@@ -195,7 +219,9 @@ def fp8_dot_general(
       lhs: the left operand, as for `lax.dot_general`.
       rhs: the right operand.
       dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
-      fmt: "hybrid" or "e4m3".
+      fmt: "hybrid" or "e4m3"; or a block-scaled "mxfp8" or "nvfp4"
+        (`jmp_policy.block_scaled.block_scaled_dot_general`: `scaling` and
+        `power_of_two` do not apply, the format has its own per-block scales).
       scaling: "tensorwise" (one scale per operand) or "rowwise" (one scale
         per row of each operand, over the contracted dimensions: an outlier
         row costs only its own precision). Rowwise re-quantizes the saved
@@ -220,6 +246,10 @@ def fp8_dot_general(
     _check_format(fmt)
     _check_scaling(scaling)
     dimension_numbers, out_dtype = _dot_arguments(lhs, dimension_numbers, out_dtype)
+    if fmt in MODES:  # block-scaled: the block's scale, no per-tensor scaling
+        return block_scaled_dot_general(
+            lhs, rhs, dimension_numbers, mode=fmt, preferred_element_type=out_dtype
+        )
     static = (fmt, out_dtype, power_of_two, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     dot = _fp8_dot if scaling == "tensorwise" else _rowwise_dot
     return dot(lhs, rhs, dimension_numbers, static)
@@ -250,7 +280,9 @@ class Fp8DotGeneral:
     hashable, as Flax module attributes must be.
 
     Attributes:
-      fmt: "hybrid" (e5m2 gradients) or "e4m3".
+      fmt: "hybrid" (e5m2 gradients) or "e4m3"; or a block-scaled "mxfp8" or
+        "nvfp4" (under `"mixed_mxfp8"`/`"mixed_nvfp4"`), for shapes that hold
+        whole blocks (`fp8_eligible`).
       scaling: "tensorwise" or "rowwise".
       power_of_two: round the scales down to powers of two.
 
@@ -284,7 +316,8 @@ class Fp8DotGeneral:
         self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
     ):
         placed = any(v is not None for v in kwargs.values())  # e.g. nnx's out_sharding
-        if placed or fp8_eligible(lhs.shape, rhs.shape, dimension_numbers) is not None:
+        shapes = (lhs.shape, rhs.shape, dimension_numbers, self.fmt)
+        if placed or fp8_eligible(*shapes) is not None:
             return lax.dot_general(
                 lhs,
                 rhs,

@@ -29,7 +29,7 @@ from jmp_policy import matmul
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
 from jmp_policy.census import trace, warn_float32_matmuls
-from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
+from jmp_policy.fp8 import Fp8DotGeneral, float8_format, fp8_layer
 from jmp_policy.overrides import FLOAT32, Overrides, is_compute_dtype, island_scope
 from jmp_policy.policy import (
     Policy,
@@ -439,7 +439,7 @@ def _fp8_matmuls(module: nn.Module, policy: Policy, path: tuple[str, ...]) -> No
         or getattr(module, "dot_general_cls", None) is not None
     ):
         return
-    object.__setattr__(module, "dot_general", Fp8DotGeneral())
+    object.__setattr__(module, "dot_general", Fp8DotGeneral(float8_format(policy.compute_dtype)))
 
 
 def _call_key(method, args, kwargs) -> Any:

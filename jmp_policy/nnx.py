@@ -27,7 +27,7 @@ from jmp_policy._compat import set_variable_value, variable_value
 from jmp_policy._pytree import signature
 from jmp_policy.autocast import cast_at_use
 from jmp_policy.census import trace, warn_float32_matmuls
-from jmp_policy.fp8 import Fp8DotGeneral, fp8_layer
+from jmp_policy.fp8 import Fp8DotGeneral, float8_format, fp8_layer
 from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy.policy import (
     Policy,
@@ -405,9 +405,11 @@ def _fp8_matmuls(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> N
     if current is _ABSENT or getattr(module, "dot_general_cls", None) is not None:
         return
     fp8 = fp8_layer(policy.compute_dtype, "/".join(path))
-    if fp8 and current in (None, lax.dot_general):
-        setattr(module, "dot_general", _POLICY_FP8_DOT)  # noqa: B010
-    elif not fp8 and current is _POLICY_FP8_DOT:
+    ours = any(current is dot for dot in _POLICY_FP8_DOTS.values())  # equal is not enough
+    if fp8 and (current in (None, lax.dot_general) or ours):
+        dot = _POLICY_FP8_DOTS[float8_format(policy.compute_dtype)]
+        setattr(module, "dot_general", dot)  # noqa: B010
+    elif not fp8 and ours:
         setattr(module, "dot_general", lax.dot_general)  # noqa: B010
 
 
@@ -450,4 +452,5 @@ def _take_back_hooks(module: nnx.Module) -> None:
 
 
 _ABSENT = object()
-_POLICY_FP8_DOT = Fp8DotGeneral()  # told apart from a user's by identity
+# One per format, told apart from a user's by identity.
+_POLICY_FP8_DOTS = {fmt: Fp8DotGeneral(fmt) for fmt in ("hybrid", "mxfp8", "nvfp4")}

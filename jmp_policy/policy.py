@@ -33,7 +33,11 @@ _DTYPE_ALIASES = {
     "bfloat16": "bfloat16",
     "f64": "float64",
     "float64": "float64",
+    # Block-scaled formats: the compute dtype names the format (`jmp_policy.block_scaled`).
+    "mxfp8": "float8_e8m0fnu",
+    "nvfp4": "float4_e2m1fn",
 }
+_BLOCK_NAMES = {"float8_e8m0fnu": "mxfp8", "float4_e2m1fn": "nvfp4"}
 _KEY_ALIASES = {
     "p": "params",
     "params": "params",
@@ -42,13 +46,17 @@ _KEY_ALIASES = {
     "o": "output",
     "output": "output",
 }
-_PRESETS = ("mixed_float16", "mixed_bfloat16", "mixed_float8")
+_PRESETS = ("mixed_float16", "mixed_bfloat16", "mixed_float8", "mixed_mxfp8", "mixed_nvfp4")
 # mixed_float8: float8 matmuls (e4m3 forward, e5m2 gradients) where `autocast`
 # runs the program, bfloat16 for everything else.
 _PRESET_COMPUTE = {
     "mixed_float16": "float16",
     "mixed_bfloat16": "bfloat16",
     "mixed_float8": "float8_e4m3fn",
+    # mixed_mxfp8 / mixed_nvfp4: block-scaled matmuls (`jmp_policy.block_scaled`), bfloat16 for
+    # the rest; the compute dtype names the format (MXFP8's scale type, NVFP4's value type).
+    "mixed_mxfp8": "float8_e8m0fnu",
+    "mixed_nvfp4": "float4_e2m1fn",
 }
 
 
@@ -161,10 +169,8 @@ class Policy:
         return dataclasses.replace(self, output_dtype=output_dtype)
 
     def __str__(self) -> str:
-        return (
-            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
-            f"output={self.output_dtype.name}"
-        )
+        compute = _BLOCK_NAMES.get(self.compute_dtype.name, self.compute_dtype.name)
+        return f"params={self.param_dtype.name},compute={compute},output={self.output_dtype.name}"
 
 
 def _suggest(word: str, choices) -> str:
@@ -194,6 +200,9 @@ def _closest_policy_name(name: str) -> str | None:
         return f"{words[0]}={words[1]}"  # compute_float16: the 'key=dtype' form
     if "mixed" in known and len(set(halves)) == 1:
         return f"mixed_{halves[0]}"
+    for block in ("mxfp8", "nvfp4"):
+        if block in words:
+            return f"mixed_{block}"
     if any(w.startswith(("float8", "fp8", "f8", "e4m3", "e5m2")) for w in words):
         return "mixed_float8" if "mixed" in known else _FLOAT8_NAMES[0]
     if len(known) == 1 and known[0] in ("float16", "bfloat16") and known[0] != name:
@@ -255,7 +264,11 @@ def get_policy(policy_name: str) -> Policy:
     `mixed_bfloat16` mean float32 params and outputs with half compute;
     `mixed_float8` means float32 params and outputs with float8_e4m3fn compute,
     which `autocast` runs as float8 matmuls (`jmp_policy.fp8`) and bfloat16
-    for everything else.
+    for everything else. `mixed_mxfp8` and `mixed_nvfp4` run the matmuls in
+    those block-scaled formats (`jmp_policy.block_scaled`); their long form is
+    "params=float32,compute=mxfp8,output=float32" (the compute dtype names the
+    format: float8_e8m0fnu, MXFP8's scale type, or float4_e2m1fn, NVFP4's
+    value type).
 
     Args:
       policy_name: the policy string, e.g. "params=float32,compute=float16".

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jmp_policy.block_scaled import block_scaled_dot_general, eligible, fake_quantize
+from jmp_policy.fp8 import Fp8DotGeneral
 
 reference = pytest.importorskip("jax._src.cudnn.scaled_matmul_stablehlo")
 
@@ -92,3 +93,71 @@ def test_bad_arguments():
         block_scaled_dot_general(x, x, (((1,), (0,)), ((), ())), mode="mxfp4")
     with pytest.raises(ValueError, match="`implementation`"):
         block_scaled_dot_general(x, x, (((1,), (0,)), ((), ())), implementation="cudnn")
+
+
+# --- As policies: "mixed_mxfp8" and "mixed_nvfp4" wherever "mixed_float8" goes -----------
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_the_policy_names_and_their_long_form(mode):
+    import jmp_policy as jmp
+
+    policy = jmp.get_policy(f"mixed_{mode}")
+    assert str(policy) == f"params=float32,compute={mode},output=float32"
+    assert jmp.get_policy(str(policy)) == policy != jmp.get_policy("mixed_float8")
+    with pytest.raises(ValueError, match=f"Did you mean 'mixed_{mode}'"):
+        jmp.get_policy(f"{mode}_mixed_typo")
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_every_integration_multiplies_in_the_block_format(mode):
+    import equinox as eqx
+    import flax.linen as nn
+    from flax import nnx
+
+    import jmp_policy as jmp
+
+    policy = jmp.get_policy(f"mixed_{mode}")
+    x = jax.random.normal(jax.random.key(0), (32, 64))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10, name="head")(nn.relu(nn.Dense(64)(x)))
+
+    linen = jmp.linen.mixed_precision(Net(), policy)
+    variables = linen.init(jax.random.key(1), x)
+    layers = nnx.Sequential(
+        nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(64, 32, rngs=nnx.Rngs(1))
+    )
+    model = jmp.nnx.mixed_precision(layers, policy)
+    mlp = jmp.eqx.mixed_precision(eqx.nn.MLP(64, 32, 64, 1, key=jax.random.key(2)), policy)
+    params = {"w": 0.1 * jax.random.normal(jax.random.key(3), (64, 32))}
+    reports = {
+        "linen": (jmp.precision_report(linen.apply, variables, x), {"float8_e4m3fn": 1}),
+        "nnx": (jmp.precision_report(lambda m, x: m(x), model, x), {"float8_e4m3fn": 2}),
+        "eqx": (jmp.precision_report(jax.vmap(mlp), x), {"float8_e4m3fn": 2}),
+        "autocast": (
+            jmp.precision_report(jmp.autocast(lambda p, x: x @ p["w"], policy), params, x),
+            {"float8_e4m3fn": 1},
+        ),
+    }
+    for name, (report, expected) in reports.items():
+        counts = report.counts["dot_general"]
+        assert {k: v for k, v in counts.items() if k == "float8_e4m3fn"} == expected, name
+    # The head (N = 10, `FP8_EXCLUDE`) stays in bfloat16 under Linen.
+    assert reports["linen"][0].counts["dot_general"].get("bfloat16") == 1
+    # The numbers are the format's: autocast's matmul is the block-scaled one.
+    out = jmp.autocast(lambda p, x: x @ p["w"], policy)(params, x)
+    expected = block_scaled_dot_general(
+        x, params["w"], (((1,), (0,)), ((), ())), mode=mode, preferred_element_type=jnp.bfloat16
+    )  # the float32 operands quantized straight to the format
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+    grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(mlp)
+    assert all(
+        bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(eqx.filter(grads, eqx.is_array))
+    )
+    # Another policy takes the block-scaled matmul away again.
+    assert model.layers[0].dot_general.fmt == mode
+    jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
+    assert not isinstance(model.layers[0].dot_general, Fp8DotGeneral)
