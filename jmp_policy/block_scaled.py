@@ -7,9 +7,10 @@ them as `jax.nn.scaled_dot_general` with `jax.nn.get_scaled_dot_general_config`,
 GPUs only. `block_scaled_dot_general` calls that op on GPU and, everywhere else, emulates it:
 each operand is quantized per block exactly as JAX's op quantizes it (the block's amax over the
 format's largest value, the scale rounded up to a power of two for MXFP8 or cast to e4m3 for
-NVFP4, values clipped and cast), and the blocks are multiplied as a block-scaled GEMM does: a
-float8 dot per block with a float32 result (NVFP4's values are float8_e4m3fn values too), times
-the two blocks' scales, summed in float32 (only the order of that sum can differ from a GPU's).
+NVFP4, values clipped and cast), and multiplied as a block-scaled GEMM multiplies them: each
+product of two values times their blocks' scales, exact, summed in float32 (only the order of
+that sum can differ from a GPU's). The dequantized values are exact in bfloat16, so this is one
+bfloat16 dot with a float32 result; `precision_report` counts it as the format.
 
 The backward pass is JAX's op's: with MXFP8 both gradient matmuls quantize their operands too
 (the cotangent with the `grads` config, blocks along the axis each gradient matmul contracts);
@@ -107,35 +108,40 @@ def fake_quantize(x: jax.Array, axes: tuple[int, ...], mode: str) -> jax.Array:
     return jnp.transpose(dequantized.reshape(moved_shape), tuple(back))
 
 
+SCOPE = "block_scaled_"
+"""The name scope of a block-scaled matmul's emulation (`SCOPE + mode`): reports count the
+matmul inside it as that format (`jmp_policy.precision_report`)."""
+
+
+def _dequantized_bfloat16(x: jax.Array, axes: tuple[int, ...], mode: str) -> jax.Array:
+    """`x` quantized in blocks along `axes`, its values times their block's scale, in bfloat16
+    (NVFP4's global scale left out). Exact: a float8_e4m3fn or float4_e2m1fn value (4 or 2
+    significant bits) times a power of two (MXFP8) or a float8_e4m3fn scale (NVFP4, 4 bits) has
+    at most 8 significant bits, which bfloat16 holds, with float32's exponent range."""
+    values, scale, _ = _blocks(x, axes, mode)
+    dequantized = (values.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+    others = tuple(d for d in range(x.ndim) if d not in axes)
+    moved_shape = tuple(x.shape[d] for d in others + tuple(axes))
+    back = np.argsort(others + tuple(axes))
+    return jnp.transpose(dequantized.reshape(moved_shape), tuple(back))
+
+
 def _block_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, mode: str) -> jax.Array:
-    """The forward block-scaled GEMM, as the hardware runs it: per block, a dot of the format's
-    values with a float32 result, times the two blocks' scales, summed over the blocks."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    lhs_free, rhs_free = _free(lhs.ndim, lc, lb), _free(rhs.ndim, rc, rb)
-    # Batch axes first, then the free ones: `_blocks` keeps the order of the axes it leaves.
-    lhs = jnp.transpose(lhs, (*lb, *lhs_free, *lc))
-    rhs = jnp.transpose(rhs, (*rb, *rhs_free, *rc))
-    nb, nl = len(lb), len(lhs_free)
-    contract_l = tuple(range(nb + nl, lhs.ndim))
-    contract_r = tuple(range(nb + len(rhs_free), rhs.ndim))
-    lv, ls, lg = _blocks(lhs, contract_l, mode)
-    rv, rs, rg = _blocks(rhs, contract_r, mode)
-    batch, lf, rf = lhs.shape[:nb], lhs.shape[nb : nb + nl], rhs.shape[nb : -len(rc) or None]
-    b, m, n = math.prod(batch), math.prod(lf), math.prod(rf)
-    blocks = lv.shape[-2]
-    # float4 has no XLA:CPU dot; its values are float8_e4m3fn values too (exactly).
-    wide = jnp.float8_e4m3fn
-    lv = lv.astype(wide).reshape(b, m, blocks, -1)
-    rv = rv.astype(wide).reshape(b, n, blocks, -1)
-    per_block = lax.dot_general(
-        lv, rv, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=jnp.float32
-    )  # (b, blocks, m, n)
-    ls = jnp.moveaxis(ls.reshape(b, m, blocks), -1, 1)[..., None]
-    rs = jnp.moveaxis(rs.reshape(b, n, blocks), -1, 1)[:, :, None, :]
-    out = jnp.sum(per_block * ls * rs, axis=1)
-    if lg is not None:
-        out = out * (lg * rg)
-    return out.reshape(*batch, *lf, *rf)
+    """The forward block-scaled GEMM: every product of two blocks' values times their scales,
+    exact, summed in float32, as the hardware does (only the order of the sum can differ).
+    One bfloat16 dot of the exactly dequantized operands: no per-block intermediate."""
+    (lc, rc), _ = dimension_numbers
+    with jax.named_scope(SCOPE + mode):
+        out = lax.dot_general(
+            _dequantized_bfloat16(lhs, tuple(lc), mode),
+            _dequantized_bfloat16(rhs, tuple(rc), mode),
+            dimension_numbers,
+            preferred_element_type=jnp.float32,
+        )
+        if mode == "nvfp4":
+            global_scale = _config(mode).global_scale[0].astype(jnp.float32)
+            out = out * (global_scale * global_scale)
+    return out
 
 
 def eligible(x_shape: tuple[int, ...], axes: tuple[int, ...], mode: str) -> bool:

@@ -24,6 +24,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy._compat import jaxprs_in_params
 from jmp_policy._pytree import split_traced
+from jmp_policy.block_scaled import SCOPE
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
 from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 
@@ -207,6 +208,15 @@ def _convert_count(jaxpr: Jaxpr | ClosedJaxpr) -> int:
     )
 
 
+def _block_format(eqn: JaxprEqn) -> str | None:
+    """The format ("mxfp8", "nvfp4") of a block-scaled emulation's matmul
+    (`jmp_policy.block_scaled`), else None."""
+    stack = str(eqn.source_info.name_stack)
+    if eqn.primitive.name != "dot_general" or SCOPE not in stack:
+        return None
+    return stack[stack.index(SCOPE) + len(SCOPE) :].split("/")[0]
+
+
 def report_of_jaxpr(
     jaxpr: Jaxpr | ClosedJaxpr, original: Jaxpr | ClosedJaxpr | None = None
 ) -> PrecisionReport:
@@ -224,12 +234,15 @@ def report_of_jaxpr(
         if dtype is None:
             continue
         name, dtype_name = eqn.primitive.name, jnp.dtype(dtype).name
+        block = _block_format(eqn)
+        if block is not None:  # a block-scaled GEMM's emulation: counted as its format
+            dtype_name = block
         if name in MATMULS:
             flops, contract, outputs = _matmul_shape_info(eqn)
             all_flops += flops * times
             if dtype_name in HALF:
                 half_flops += flops * times
-            if dtype.itemsize == 1:  # float8 operands (the widest is float8)
+            if dtype.itemsize == 1 or block is not None:  # float8 (or 4-bit) operands
                 fp8_flops += flops * times
             elif name == "dot_general":
                 not_fp8.append(eqn)

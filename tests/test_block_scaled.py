@@ -134,17 +134,18 @@ def test_every_integration_multiplies_in_the_block_format(mode):
     mlp = jmp.eqx.mixed_precision(eqx.nn.MLP(64, 32, 64, 1, key=jax.random.key(2)), policy)
     params = {"w": 0.1 * jax.random.normal(jax.random.key(3), (64, 32))}
     reports = {
-        "linen": (jmp.precision_report(linen.apply, variables, x), {"float8_e4m3fn": 1}),
-        "nnx": (jmp.precision_report(lambda m, x: m(x), model, x), {"float8_e4m3fn": 2}),
-        "eqx": (jmp.precision_report(jax.vmap(mlp), x), {"float8_e4m3fn": 2}),
+        "linen": (jmp.precision_report(linen.apply, variables, x), {mode: 1}),
+        "nnx": (jmp.precision_report(lambda m, x: m(x), model, x), {mode: 2}),
+        "eqx": (jmp.precision_report(jax.vmap(mlp), x), {mode: 2}),
         "autocast": (
             jmp.precision_report(jmp.autocast(lambda p, x: x @ p["w"], policy), params, x),
-            {"float8_e4m3fn": 1},
+            {mode: 1},
         ),
     }
     for name, (report, expected) in reports.items():
         counts = report.counts["dot_general"]
-        assert {k: v for k, v in counts.items() if k == "float8_e4m3fn"} == expected, name
+        assert {k: v for k, v in counts.items() if k == mode} == expected, name
+        assert report.fp8_matmul_flop_share > 0.5, name
     # The head (N = 10, `FP8_EXCLUDE`) stays in bfloat16 under Linen.
     assert reports["linen"][0].counts["dot_general"].get("bfloat16") == 1
     # The numbers are the format's: autocast's matmul is the block-scaled one.
