@@ -39,23 +39,17 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jmp_policy._pytree import register_state
 from jmp_policy.block_scaled import MODES, block_scaled_dot_general, eligible
+from jmp_policy.policy import BLOCK_FORMATS
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FORMATS = ("hybrid", "e4m3")
-BLOCK_FORMATS = {"float8_e8m0fnu": "mxfp8", "float4_e2m1fn": "nvfp4"}
-"""The compute dtypes that name a block-scaled format (`mixed_mxfp8`, `mixed_nvfp4`)."""
-
-
-def block_format(compute_dtype: DTypeLike) -> str | None:
-    """The block-scaled format `compute_dtype` names ("mxfp8" or "nvfp4"), else None."""
-    return BLOCK_FORMATS.get(np.dtype(compute_dtype).name)
 
 
 def float8_format(compute_dtype: DTypeLike, fmt: str = "hybrid") -> str:
-    """The `fmt` a float8 layer of this compute dtype multiplies in: its block-scaled format,
-    else `fmt` (per-tensor float8)."""
-    return block_format(compute_dtype) or fmt
+    """The `fmt` a float8 layer of this compute dtype multiplies in: the block-scaled format it
+    names (`jmp_policy.policy.BLOCK_FORMATS`), else `fmt` (per-tensor float8)."""
+    return BLOCK_FORMATS.get(np.dtype(compute_dtype).name, fmt)
 
 
 SCALINGS = ("tensorwise", "rowwise")

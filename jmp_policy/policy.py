@@ -37,7 +37,8 @@ _DTYPE_ALIASES = {
     "mxfp8": "float8_e8m0fnu",
     "nvfp4": "float4_e2m1fn",
 }
-_BLOCK_NAMES = {"float8_e8m0fnu": "mxfp8", "float4_e2m1fn": "nvfp4"}
+BLOCK_FORMATS = {"float8_e8m0fnu": "mxfp8", "float4_e2m1fn": "nvfp4"}
+"""The compute dtypes that name a block-scaled format (`mixed_mxfp8`, `mixed_nvfp4`)."""
 _KEY_ALIASES = {
     "p": "params",
     "params": "params",
@@ -169,7 +170,7 @@ class Policy:
         return dataclasses.replace(self, output_dtype=output_dtype)
 
     def __str__(self) -> str:
-        compute = _BLOCK_NAMES.get(self.compute_dtype.name, self.compute_dtype.name)
+        compute = BLOCK_FORMATS.get(self.compute_dtype.name, self.compute_dtype.name)
         return f"params={self.param_dtype.name},compute={compute},output={self.output_dtype.name}"
 
 
