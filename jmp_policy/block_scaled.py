@@ -63,7 +63,7 @@ def _blocks(x: jax.Array, axes: tuple[int, ...], mode: str) -> tuple[jax.Array, 
     `scaled_dot_general` quantization makes of `x` when `axes` are the ones it contracts.
     """
     config = _config(mode)
-    others = tuple(d for d in range(x.ndim) if d not in axes)
+    others = _free(x.ndim, axes)
     moved = jnp.transpose(x.astype(jnp.float32), others + tuple(axes))
     k = math.prod(moved.shape[len(others) :])
     blocks = moved.reshape(*moved.shape[: len(others)], k // config.block_size, config.block_size)
@@ -102,10 +102,15 @@ def fake_quantize(x: jax.Array, axes: tuple[int, ...], mode: str) -> jax.Array:
     dequantized = values.astype(jnp.float32) * scale
     if global_scale is not None:
         dequantized = dequantized * global_scale
-    others = tuple(d for d in range(x.ndim) if d not in axes)
-    moved_shape = tuple(x.shape[d] for d in others + tuple(axes))
+    return _unblock(dequantized, x.shape, axes)
+
+
+def _unblock(blocks: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
+    """`_blocks`' layout undone: back to `shape`, `axes` where they were."""
+    others = _free(len(shape), axes)
+    moved_shape = tuple(shape[d] for d in others + tuple(axes))
     back = np.argsort(others + tuple(axes))
-    return jnp.transpose(dequantized.reshape(moved_shape), tuple(back))
+    return jnp.transpose(blocks.reshape(moved_shape), tuple(back))
 
 
 SCOPE = "block_scaled_"
@@ -119,11 +124,7 @@ def _dequantized_bfloat16(x: jax.Array, axes: tuple[int, ...], mode: str) -> jax
     significant bits) times a power of two (MXFP8) or a float8_e4m3fn scale (NVFP4, 4 bits) has
     at most 8 significant bits, which bfloat16 holds, with float32's exponent range."""
     values, scale, _ = _blocks(x, axes, mode)
-    dequantized = (values.astype(jnp.float32) * scale).astype(jnp.bfloat16)
-    others = tuple(d for d in range(x.ndim) if d not in axes)
-    moved_shape = tuple(x.shape[d] for d in others + tuple(axes))
-    back = np.argsort(others + tuple(axes))
-    return jnp.transpose(dequantized.reshape(moved_shape), tuple(back))
+    return _unblock((values.astype(jnp.float32) * scale).astype(jnp.bfloat16), x.shape, axes)
 
 
 def _block_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, mode: str) -> jax.Array:
