@@ -1,22 +1,27 @@
-"""Block-scaled matmuls (MXFP8, NVFP4) on every backend: JAX's op on GPU, its numerics elsewhere.
+"""Block-scaled matmuls (MXFP8, NVFP4): JAX's op on Blackwell GPUs, its numerics elsewhere.
 
 Blackwell tensor cores multiply block-scaled formats: MXFP8 (float8_e4m3fn values, one
 float8_e8m0fnu power-of-two scale per 32 values along the contracting axis) and NVFP4
 (float4_e2m1fn values, one float8_e4m3fn scale per 16, and a float32 global scale). JAX has
 them as `jax.nn.scaled_dot_general` with `jax.nn.get_scaled_dot_general_config`, lowered for
-GPUs only. `block_scaled_dot_general` calls that op on GPU and, everywhere else, emulates it:
+GPUs only. `block_scaled_dot_general` calls that op where a GPU multiplies the format in
+hardware (`hardware_path`: compute capability 10.0 or newer) and, everywhere else, emulates it:
 each operand is quantized per block exactly as JAX's op quantizes it (the block's amax over the
 format's largest value, the scale rounded up to a power of two for MXFP8 or cast to e4m3 for
 NVFP4, values clipped and cast), and multiplied as a block-scaled GEMM multiplies them: each
 product of two values times their blocks' scales, exact, summed in float32 (only the order of
 that sum can differ from a GPU's). The dequantized values are exact in bfloat16, so this is one
-bfloat16 dot with a float32 result; `precision_report` counts it as the format.
+bfloat16 dot with a float32 result (float32 on CPU, exact too); `precision_report` counts it as
+the format.
 
 The backward pass is JAX's op's: with MXFP8 both gradient matmuls quantize their operands too
 (the cotangent with the `grads` config, blocks along the axis each gradient matmul contracts);
 with NVFP4 they run in float32, and gradients of values clipped in the forward pass are zero.
 One difference: an MXFP8 gradient matmul whose contracted axes do not hold whole blocks (a
 matmul under `vmap`, whose rows are one example) runs in float32, where JAX's op refuses it.
+On a Blackwell GPU the backward pass is this module's too, its gradient matmuls JAX's op
+(called forward only): the saved operands keep their own dtype, and `vmap` folds the op into
+the matmul where JAX's own batching of it wants every operand mapped.
 
 The policies `"mixed_mxfp8"` and `"mixed_nvfp4"` put these matmuls wherever `"mixed_float8"`
 puts float8 ones (`autocast`, `linen`/`nnx`/`eqx.mixed_precision`, through `jmp_policy.fp8`).
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,6 +41,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 MODES = ("mxfp8", "nvfp4")
+IMPLEMENTATIONS = (None, "jax", "emulated")
 
 
 def _config(mode: str) -> Any:
@@ -114,35 +121,20 @@ def _unblock(blocks: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...]) -
 
 
 SCOPE = "block_scaled_"
-"""The name scope of a block-scaled matmul's emulation (`SCOPE + mode`): reports count the
-matmul inside it as that format (`jmp_policy.precision_report`)."""
+"""The name scope of a block-scaled matmul (`SCOPE + mode`): reports count the emulation's
+`dot_general` inside it as that format (`jmp_policy.precision_report`)."""
 
 
-def _dequantized_bfloat16(x: jax.Array, axes: tuple[int, ...], mode: str) -> jax.Array:
-    """`x` quantized in blocks along `axes`, its values times their block's scale, in bfloat16
-    (NVFP4's global scale left out). Exact: a float8_e4m3fn or float4_e2m1fn value (4 or 2
-    significant bits) times a power of two (MXFP8) or a float8_e4m3fn scale (NVFP4, 4 bits) has
-    at most 8 significant bits, which bfloat16 holds, with float32's exponent range."""
+def _dequantized(x: jax.Array, axes: tuple[int, ...], mode: str) -> jax.Array:
+    """`x` quantized in blocks along `axes`, its values times their block's scale (NVFP4's
+    global scale left out), in bfloat16: exact, since a float8_e4m3fn or float4_e2m1fn value
+    (4 or 2 significant bits) times a power of two (MXFP8) or a float8_e4m3fn scale (NVFP4, 4
+    bits) has at most 8 significant bits, which bfloat16 holds, with float32's exponent range.
+    In float32 on CPU, which XLA:CPU cannot always multiply as bfloat16 x bfloat16 -> float32
+    (the same values, so the same products)."""
     values, scale, _ = _blocks(x, axes, mode)
-    return _unblock((values.astype(jnp.float32) * scale).astype(jnp.bfloat16), x.shape, axes)
-
-
-def _block_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, mode: str) -> jax.Array:
-    """The forward block-scaled GEMM: every product of two blocks' values times their scales,
-    exact, summed in float32, as the hardware does (only the order of the sum can differ).
-    One bfloat16 dot of the exactly dequantized operands: no per-block intermediate."""
-    (lc, rc), _ = dimension_numbers
-    with jax.named_scope(SCOPE + mode):
-        out = lax.dot_general(
-            _dequantized_bfloat16(lhs, tuple(lc), mode),
-            _dequantized_bfloat16(rhs, tuple(rc), mode),
-            dimension_numbers,
-            preferred_element_type=jnp.float32,
-        )
-        if mode == "nvfp4":
-            global_scale = _config(mode).global_scale[0].astype(jnp.float32)
-            out = out * (global_scale * global_scale)
-    return out
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return _unblock((values.astype(jnp.float32) * scale).astype(dtype), x.shape, axes)
 
 
 def eligible(x_shape: tuple[int, ...], axes: tuple[int, ...], mode: str) -> bool:
@@ -157,40 +149,141 @@ def _free(ndim: int, *taken: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in range(ndim) if d not in used)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _emulated(lhs, rhs, dimension_numbers, mode, out_dtype):
-    return _block_dot(lhs, rhs, dimension_numbers, mode).astype(out_dtype)
+@functools.cache
+def hardware_path() -> bool:
+    """Whether this process's default device multiplies block-scaled formats in its tensor
+    cores: a CUDA GPU of compute capability 10.0 or newer (Blackwell), where XLA lowers
+    `jax.nn.scaled_dot_general` to cuDNN's block-scaled GEMM.
+
+    On an older GPU XLA expands JAX's op into a dequantization and a float32 dot: the format's
+    numbers at float32's cost, where the emulation computes the same numbers with a bfloat16
+    dot. ROCm devices take the emulation too.
+    """
+    device = jax.devices()[0]
+    capability = str(getattr(device, "compute_capability", "")).split(".")[0]
+    return device.platform == "gpu" and capability.isdigit() and int(capability) >= 10
 
 
-def _emulated_fwd(lhs, rhs, dimension_numbers, mode, out_dtype):
-    return _emulated(lhs, rhs, dimension_numbers, mode, out_dtype), (lhs, rhs)
+def _forward(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, mode: str, use_jax: bool
+) -> jax.Array:
+    """One block-scaled GEMM with a float32 result: both operands quantized in blocks along
+    the axes they contract, every product of two values times their blocks' scales, exact,
+    summed in float32.
+
+    `use_jax`: JAX's `jax.nn.scaled_dot_general` (called forward only: the gradients are this
+    module's, so its saved operands keep their own dtype). Otherwise the emulation: the
+    dequantized operands are exact in bfloat16, so one bfloat16 dot with a float32 result
+    (`_dequantized`), which only the order of the sum can tell from the hardware's.
+    """
+    (lc, rc), _ = dimension_numbers
+    with jax.named_scope(SCOPE + mode):
+        if use_jax:
+            return _jax_op(dimension_numbers, mode)(lhs, rhs)
+        out = lax.dot_general(
+            _dequantized(lhs, tuple(lc), mode),
+            _dequantized(rhs, tuple(rc), mode),
+            dimension_numbers,
+            preferred_element_type=jnp.float32,
+        )
+        if mode == "nvfp4":
+            global_scale = _config(mode).global_scale[0].astype(jnp.float32)
+            out = out * (global_scale * global_scale)
+    return out
 
 
-def _emulated_bwd(dimension_numbers, mode, out_dtype, residuals, g):
-    lhs, rhs = residuals
+def _jax_op(dimension_numbers: Any, mode: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """`jax.nn.scaled_dot_general` with a float32 result, for these dimension numbers, as a
+    function that `vmap` folds into the matmul, as `lax.dot_general`'s batching does: JAX's own
+    batching of its op wants every operand mapped, and a layer under `vmap` maps only its
+    input."""
     (lc, rc), (lb, rb) = dimension_numbers
-    lhs_free, rhs_free = _free(lhs.ndim, lc, lb), _free(rhs.ndim, rc, rb)
-    nb = len(lb)
-    # The output's axes: batch, then lhs's free axes, then rhs's.
-    g_lhs_free = tuple(range(nb, nb + len(lhs_free)))
-    g_rhs_free = tuple(range(nb + len(lhs_free), g.ndim))
+
+    @jax.custom_batching.custom_vmap
+    def op(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        # JAX's op also wants a free axis on each operand (a vector has none): a unit one,
+        # taken out of the result again.
+        lhs_unit, rhs_unit = not _free(lhs.ndim, lc, lb), not _free(rhs.ndim, rc, rb)
+        config = _config(mode)
+        out = jax.nn.scaled_dot_general(
+            lhs.astype(jnp.float32)[..., None] if lhs_unit else lhs.astype(jnp.float32),
+            rhs.astype(jnp.float32)[..., None] if rhs_unit else rhs.astype(jnp.float32),
+            dimension_numbers,
+            preferred_element_type=jnp.float32,
+            configs=[config, config, config],
+        )
+        return jnp.squeeze(out, (len(lb),) * lhs_unit + (out.ndim - 1,) * rhs_unit)
+
+    @op.def_vmap
+    def _(axis_size: int, in_batched: list[bool], lhs: jax.Array, rhs: jax.Array):
+        del axis_size
+        up = lambda axes: tuple(d + 1 for d in axes)  # noqa: E731
+        lhs_mapped, rhs_mapped = in_batched
+        if lhs_mapped and rhs_mapped:  # a batch axis of the matmul
+            dims = ((up(lc), up(rc)), ((0, *up(lb)), (0, *up(rb))))
+            return _jax_op(dims, mode)(lhs, rhs), True
+        if not (lhs_mapped or rhs_mapped):
+            return _jax_op(dimension_numbers, mode)(lhs, rhs), False
+        # A free axis of the mapped operand; the result has it after the batch axes (lhs) or
+        # after lhs's free axes too (rhs).
+        if lhs_mapped:
+            dims, at = ((up(lc), rc), (up(lb), rb)), len(lb)
+        else:
+            dims, at = ((lc, up(rc)), (lb, up(rb))), lhs.ndim - len(lc)
+        return jnp.moveaxis(_jax_op(dims, mode)(lhs, rhs), at, 0), True
+
+    return op
+
+
+def _gradient_matmul(
+    dimension_numbers: Any, ndims: tuple[int, int], side: int
+) -> tuple[Any, tuple[int, ...]]:
+    """The matmul that gives operand `side`'s gradient (0: lhs, 1: rhs), as JAX's transpose
+    of `dot_general` makes it: the dimension numbers of `cotangent x other operand`, and the
+    permutation that puts its result in that operand's layout."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    (xc, yc, xb, yb), (x_ndim, y_ndim) = ((lc, rc, lb, rb), ndims)
+    if side == 1:
+        (xc, yc, xb, yb), (x_ndim, y_ndim) = ((rc, lc, rb, lb), ndims[::-1])
+    x_free, y_free = _free(x_ndim, xc, xb), _free(y_ndim, yc, yb)
+    nb = len(xb)
+    # The cotangent's axes: batch, then lhs's free axes, then rhs's.
+    start = nb + len(x_free) if side == 0 else nb
+    g_contract = tuple(range(start, start + len(y_free)))
+    dims = ((g_contract, y_free), (tuple(range(nb)), tuple(yb)))
+    # The result: batch, x's free axes, then x's contracted axes in the order of y's.
+    x_contract_by_y = [xc[i] for i in np.argsort(yc)]
+    permutation = tuple(int(i) for i in np.argsort([*xb, *x_free, *x_contract_by_y]))
+    return dims, permutation
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _block_scaled(lhs, rhs, dimension_numbers, mode, out_dtype, use_jax):
+    return _forward(lhs, rhs, dimension_numbers, mode, use_jax).astype(out_dtype)
+
+
+def _block_scaled_fwd(lhs, rhs, dimension_numbers, mode, out_dtype, use_jax):
+    out = _block_scaled(lhs, rhs, dimension_numbers, mode, out_dtype, use_jax)
+    return out, (lhs, rhs)
+
+
+def _block_scaled_bwd(dimension_numbers, mode, out_dtype, use_jax, residuals, g):
+    lhs, rhs = residuals
     g = g.astype(jnp.float32)
-    g_for_lhs = g_for_rhs = g
-    lhs_q, rhs_q = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
-    # MXFP8: each gradient matmul quantizes its operands along the axes it contracts (N for
-    # the lhs gradient, M for the rhs's). Where those do not hold whole blocks (M = 1 for a
-    # matmul under `vmap`, whose batch is summed outside it) that matmul runs in float32,
-    # where JAX's op refuses the shapes. NVFP4: gradients in float32, as JAX's op makes them.
-    if mode == "mxfp8" and eligible(rhs.shape, rhs_free, mode):
-        g_for_lhs, rhs_q = fake_quantize(g, g_rhs_free, mode), fake_quantize(rhs, rhs_free, mode)
-    if mode == "mxfp8" and eligible(lhs.shape, lhs_free, mode):
-        g_for_rhs, lhs_q = fake_quantize(g, g_lhs_free, mode), fake_quantize(lhs, lhs_free, mode)
-
-    def dot(a, b):
-        return lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
-
-    (grad_lhs,) = jax.linear_transpose(lambda a: dot(a, rhs_q), lhs.astype(jnp.float32))(g_for_lhs)
-    (grad_rhs,) = jax.linear_transpose(lambda b: dot(lhs_q, b), rhs.astype(jnp.float32))(g_for_rhs)
+    grads = []
+    for side, other in enumerate((rhs, lhs)):
+        dims, permutation = _gradient_matmul(dimension_numbers, (lhs.ndim, rhs.ndim), side)
+        # MXFP8: a block-scaled GEMM too, the cotangent and the other operand quantized along
+        # the axes it contracts (the `grads` config). Where those do not hold whole blocks (a
+        # matmul under `vmap`, whose batch is summed outside it) it runs in float32, where
+        # JAX's op refuses the shapes. NVFP4: in float32, as JAX's op does it.
+        if mode == "mxfp8" and eligible(other.shape, dims[0][1], mode):
+            out = _forward(g, other, dims, mode, use_jax)
+        else:
+            out = lax.dot_general(
+                g, other.astype(jnp.float32), dims, preferred_element_type=jnp.float32
+            )
+        grads.append(jnp.transpose(out, permutation))
     if mode == "nvfp4":  # straight-through, zero where the forward pass clipped
         config = _config(mode)
         bound = (
@@ -198,12 +291,12 @@ def _emulated_bwd(dimension_numbers, mode, out_dtype, residuals, g):
             * float(jnp.finfo(config.data_type).max)
             * float(jnp.finfo(config.scale_type).max)
         )
-        grad_lhs = jnp.where(jnp.abs(lhs) <= bound, grad_lhs, 0.0)
-        grad_rhs = jnp.where(jnp.abs(rhs) <= bound, grad_rhs, 0.0)
-    return grad_lhs.astype(lhs.dtype), grad_rhs.astype(rhs.dtype)
+        kept = [jnp.abs(x.astype(jnp.float32)) <= bound for x in (lhs, rhs)]
+        grads = [jnp.where(k, d, 0.0) for k, d in zip(kept, grads, strict=True)]
+    return tuple(d.astype(x.dtype) for x, d in zip((lhs, rhs), grads, strict=True))
 
 
-_emulated.defvjp(_emulated_fwd, _emulated_bwd)
+_block_scaled.defvjp(_block_scaled_fwd, _block_scaled_bwd)
 
 
 def block_scaled_dot_general(
@@ -215,8 +308,8 @@ def block_scaled_dot_general(
     preferred_element_type: DTypeLike = jnp.float32,
     implementation: str | None = None,
 ) -> jax.Array:
-    """`lax.dot_general` in a block-scaled format: `jax.nn.scaled_dot_general` on GPU, its
-    numerics elsewhere.
+    """`lax.dot_general` in a block-scaled format: `jax.nn.scaled_dot_general` on a Blackwell
+    GPU, its numerics elsewhere.
 
     Args:
       lhs: the left operand, as for `lax.dot_general`. The contracting axes of each
@@ -226,13 +319,16 @@ def block_scaled_dot_general(
       dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
       mode: "mxfp8" or "nvfp4" (JAX's configs, `jax.nn.get_scaled_dot_general_config`).
       preferred_element_type: the output dtype: float32, bfloat16 or float16.
-      implementation: None (JAX's op on GPU, the emulation elsewhere) or "emulated".
+      implementation: None: JAX's op where a GPU multiplies the format in hardware
+        (`hardware_path`), the emulation elsewhere; "jax": JAX's op (which only a GPU
+        compiles); "emulated": the emulation.
 
     Returns:
       The product, in `preferred_element_type`.
 
     Raises:
-      ValueError: an unknown `mode` or `implementation`.
+      ValueError: an unknown `mode` or `implementation`, or contracting axes that do not
+        hold whole blocks.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -244,20 +340,18 @@ def block_scaled_dot_general(
       >>> 0 < float(error) < 0.05
       True
     """
-    config = _config(mode)
-    if implementation not in (None, "emulated"):
+    _config(mode)
+    if implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"Expected None or 'emulated' for `implementation`, got {implementation!r}."
-        )
-    out_dtype = jnp.dtype(preferred_element_type)
-    if implementation is None and jax.default_backend() == "gpu":
-        return jax.nn.scaled_dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            preferred_element_type=out_dtype,
-            configs=[config, config, config],
+            f"Expected one of {IMPLEMENTATIONS} for `implementation`, got {implementation!r}."
         )
     (lc, rc), (lb, rb) = dimension_numbers
     dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    return _emulated(lhs, rhs, dn, mode, out_dtype)
+    for name, x, axes in (("lhs", lhs, dn[0][0]), ("rhs", rhs, dn[0][1])):
+        if not eligible(x.shape, axes, mode):
+            raise ValueError(
+                f"`{name}`'s contracting axes {axes} of shape {x.shape} do not hold whole "
+                f"blocks of {_config(mode).block_size} values, as {mode} needs."
+            )
+    use_jax = implementation == "jax" or (implementation is None and hardware_path())
+    return _block_scaled(lhs, rhs, dn, mode, jnp.dtype(preferred_element_type), use_jax)

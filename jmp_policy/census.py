@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -29,6 +30,10 @@ from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
 from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 
 MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+BLOCK_GEMMS = frozenset({"scaled_matmul_wrapper", "scaled_matmul"})
+"""JAX's block-scaled GEMM (`jax.nn.scaled_matmul`, which `jax.nn.scaled_dot_general` calls):
+operands `(B, M, K)` and `(B, N, K)` of quantized values, and their blocks' scales."""
+_BLOCK_VALUES = {"float8_e4m3fn": "mxfp8", "float8_e5m2": "mxfp8", "float4_e2m1fn": "nvfp4"}
 
 
 def iter_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[JaxprEqn]:
@@ -83,6 +88,8 @@ def _matmul_shape_info(eqn: JaxprEqn) -> tuple[int, list[int], list[int]]:
     """
     out_shape = _aval(eqn.outvars[0]).shape
     lhs, rhs = _aval(eqn.invars[0]).shape, _aval(eqn.invars[1]).shape
+    if eqn.primitive.name in BLOCK_GEMMS:  # (B, M, K) x (B, N, K)
+        return 2 * _prod(out_shape) * lhs[-1], [lhs[-1]], [lhs[-2], rhs[-2]]
     if eqn.primitive.name == "conv_general_dilated":
         rhs_spec = eqn.params["dimension_numbers"].rhs_spec
         in_features, out_features = rhs[rhs_spec[1]], rhs[rhs_spec[0]]
@@ -209,12 +216,15 @@ def _convert_count(jaxpr: Jaxpr | ClosedJaxpr) -> int:
 
 
 def _block_format(eqn: JaxprEqn) -> str | None:
-    """The format ("mxfp8", "nvfp4") of a block-scaled emulation's matmul
-    (`jmp_policy.block_scaled`), else None."""
+    """The format ("mxfp8", "nvfp4") of a block-scaled GEMM: JAX's, or the emulation's
+    matmul (`jmp_policy.block_scaled`); else None."""
+    if eqn.primitive.name in BLOCK_GEMMS:
+        return _BLOCK_VALUES.get(jnp.dtype(_aval(eqn.invars[0]).dtype).name, "block_scaled")
     stack = str(eqn.source_info.name_stack)
     if eqn.primitive.name != "dot_general" or SCOPE not in stack:
         return None
-    return stack[stack.index(SCOPE) + len(SCOPE) :].split("/")[0]
+    # The scope's name, also inside a transform's wrapping: `jvp(block_scaled_mxfp8)`.
+    return re.split(r"\W", stack[stack.index(SCOPE) + len(SCOPE) :], maxsplit=1)[0]
 
 
 def report_of_jaxpr(
@@ -235,8 +245,8 @@ def report_of_jaxpr(
             continue
         name, dtype_name = eqn.primitive.name, jnp.dtype(dtype).name
         block = _block_format(eqn)
-        if block is not None:  # a block-scaled GEMM's emulation: counted as its format
-            dtype_name = block
+        if block is not None:  # a block-scaled GEMM (or its emulation): a dot in its format
+            name, dtype_name = "dot_general", block
         if name in MATMULS:
             flops, contract, outputs = _matmul_shape_info(eqn)
             all_flops += flops * times

@@ -6,6 +6,10 @@ piece replaced by its definition (dequantize each block, multiply in float32), s
 quantization, blocking and custom backward pass run on CPU and are compared with ours.
 """
 
+import importlib.util
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +19,12 @@ from jmp_policy.block_scaled import block_scaled_dot_general, eligible, fake_qua
 from jmp_policy.fp8 import Fp8DotGeneral
 
 reference = pytest.importorskip("jax._src.cudnn.scaled_matmul_stablehlo")
+_benchmark = importlib.util.spec_from_file_location(
+    "_gpu_transformer", pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_transformer.py"
+)
+gpu_transformer = importlib.util.module_from_spec(_benchmark)
+_benchmark.loader.exec_module(gpu_transformer)
+requested_block_gemms = gpu_transformer.requested_block_gemms  # what the GPU benchmark counts
 
 
 def _scaled_matmul_on_cpu(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
@@ -33,8 +43,10 @@ def _scaled_matmul_on_cpu(lhs, rhs, lhs_scales, rhs_scales, preferred_element_ty
 def jax_op_on_cpu(monkeypatch):
     monkeypatch.setattr(reference, "scaled_matmul_wrapper", _scaled_matmul_on_cpu)
 
+    configs = {mode: jax.nn.get_scaled_dot_general_config(mode) for mode in ("mxfp8", "nvfp4")}
+
     def op(lhs, rhs, dimension_numbers, mode):
-        config = jax.nn.get_scaled_dot_general_config(mode)
+        config = configs[mode]  # made outside any trace: NVFP4's holds an array
         return reference.scaled_dot_general_wrapper(
             lhs, rhs, dimension_numbers, jnp.float32, configs=[config] * 3
         )
@@ -65,7 +77,7 @@ def test_forward_and_gradients_are_jax_ops(jax_op_on_cpu, mode, shapes):
         return jax_op_on_cpu(a, b, dn, mode)
 
     out, pullback = jax.vjp(jax.jit(ours), lhs, rhs)
-    expected, expected_pullback = jax.vjp(theirs, lhs, rhs)
+    expected, expected_pullback = jax.vjp(jax.jit(theirs), lhs, rhs)
     np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-5)
     for got, want in zip(pullback(cotangent), expected_pullback(cotangent), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-4)
@@ -93,6 +105,124 @@ def test_bad_arguments():
         block_scaled_dot_general(x, x, (((1,), (0,)), ((), ())), mode="mxfp4")
     with pytest.raises(ValueError, match="`implementation`"):
         block_scaled_dot_general(x, x, (((1,), (0,)), ((), ())), implementation="cudnn")
+    with pytest.raises(ValueError, match=r"`lhs`'s contracting axes \(1,\) of shape \(4, 24\)"):
+        block_scaled_dot_general(jnp.ones((4, 24)), jnp.ones((24, 32)), (((1,), (0,)), ((), ())))
+
+
+# --- On a Blackwell GPU: JAX's op, with the same numbers --------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_the_gpu_path_computes_what_the_emulation_does(jax_op_on_cpu, mode):
+    """`implementation="jax"` (what a Blackwell GPU runs) against the emulation: forward and
+    gradients, float32 and bfloat16 operands, and under `vmap` (an Equinox layer's weight is
+    unmapped: JAX's own batching of its op refuses that; the op is folded into the matmul)."""
+    del jax_op_on_cpu  # JAX's GEMM of quantized operands, by its definition, on CPU
+    lhs = 3.0 * jax.random.normal(jax.random.key(0), (64, 96))
+    rhs = jax.random.normal(jax.random.key(1), (96, 64))
+
+    def run(implementation):
+        def dot(a, b, dn, out=jnp.float32):
+            return block_scaled_dot_general(
+                a, b, dn, mode=mode, preferred_element_type=out, implementation=implementation
+            )
+
+        def loss(a, b, out=jnp.float32):
+            return jnp.sum(dot(a, b, (((1,), (0,)), ((), ())), out).astype(jnp.float32) ** 2)
+
+        grads = jax.value_and_grad(loss, argnums=(0, 1))
+        # Under `vmap`: the weight unmapped on either side, or both operands mapped.
+        per_example = [
+            jax.vmap(lambda x, w: dot(w.T, x, (((1,), (0,)), ((), ()))), in_axes=(0, None)),
+            jax.vmap(lambda x, w: dot(x, w, (((0,), (0,)), ((), ()))), in_axes=(0, None)),
+            jax.vmap(lambda x, w: dot(x, w, (((0,), (0,)), ((), ()))), in_axes=(0, 1)),
+        ]
+        mapped = [jax.grad(lambda a, b, f=f: jnp.sum(f(a, b) ** 2), (0, 1)) for f in per_example]
+
+        @jax.jit  # one program: every case at once
+        def cases(lhs, rhs):
+            half = (lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), jnp.bfloat16)
+            return [grads(lhs, rhs), jax.grad(loss, (0, 1))(*half)] + [g(lhs, rhs) for g in mapped]
+
+        return cases(lhs, rhs)
+
+    results = jax.tree.leaves(run("jax")), jax.tree.leaves(run("emulated"))
+    assert len(results[0]) == len(results[1]) == 11
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_on_blackwell_the_policies_call_jax_op(monkeypatch, request, mode):
+    """The program a Blackwell GPU would compile (lowered for CUDA here, on CPU, with the
+    hardware check made to say yes): every block-scaled matmul of a train step is JAX's op,
+    with the format's value and scale types, and the report counts them as the format."""
+    import equinox as eqx
+    import flax.linen as nn
+    from jax import export
+
+    import jmp_policy as jmp
+    from jmp_policy import block_scaled
+
+    assert not block_scaled.hardware_path()  # a CPU
+    policy = jmp.get_policy(f"mixed_{mode}")
+    x = jax.random.normal(jax.random.key(0), (32, 64))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(64)(nn.relu(nn.Dense(64)(x))))
+            return nn.Dense(10, name="head")(x)
+
+    linen = jmp.linen.mixed_precision(Net(), policy)
+    variables = linen.init(jax.random.key(1), x)
+    mlp = jmp.eqx.mixed_precision(eqx.nn.MLP(64, 32, 64, 1, key=jax.random.key(2)), policy)
+    arrays, static = eqx.partition(mlp, eqx.is_array)
+
+    def linen_step(variables, x):
+        return jax.grad(lambda v: jnp.mean(linen.apply(v, x) ** 2))(variables)
+
+    def eqx_step(arrays, x):
+        model = lambda a: eqx.combine(a, static)  # noqa: E731
+        return jax.grad(lambda a: jnp.sum(jax.vmap(model(a))(x) ** 2))(arrays)
+
+    steps = {"linen": (linen_step, variables), "eqx": (eqx_step, arrays)}
+    emulated = {
+        k: jmp.precision_report(f, a, x).counts["dot_general"] for k, (f, a) in steps.items()
+    }
+    monkeypatch.setattr(block_scaled, "hardware_path", lambda: True)
+    # Equinox's wrapper keeps one program per policy for the process: a fresh one for the GPU
+    # program, and another for the tests after this one.
+    jmp.eqx._call_under.cache_clear()
+    request.addfinalizer(jmp.eqx._call_under.cache_clear)
+    # Forward matmuls, and (MXFP8) the gradient matmuls whose contracted axes hold whole
+    # blocks: Linen 2 + 2 kernel gradients + 1 input gradient (the first layer's input needs
+    # none); Equinox under `vmap` 2 + 1 (a weight's gradient per example contracts nothing).
+    expected = {"mxfp8": {"linen": 5, "eqx": 3}, "nvfp4": {"linen": 2, "eqx": 2}}[mode]
+    types = {"mxfp8": {"f8E4M3FN", "f8E8M0FNU"}, "nvfp4": {"f4E2M1FN", "f8E4M3FN"}}[mode]
+    for name, (step, params) in steps.items():
+        lowered = export.export(
+            jax.jit(step),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__op$block_scaled_dot")],
+        )(params, x)
+        module = lowered.mlir_module()
+        assert requested_block_gemms(module) == expected[name], name
+        operand_types = {
+            t
+            for line in module.splitlines()
+            if "custom_call @__op$block_scaled_dot" in line
+            for t in re.findall(r"tensor<[\dx]+x(f\w+)>", line.rsplit(" : ", 1)[-1])
+        }
+        assert operand_types == types | {"f32"}, name  # values and scales in, float32 out
+        report = jmp.precision_report(step, params, x)
+        # The same matmuls, counted the same way (quantization's own operations differ). The
+        # report reads the traced program, before XLA drops the first layer's unused input
+        # gradient: Linen's MXFP8 count is 6 there.
+        assert report.counts["dot_general"] == emulated[name], name
+        assert report.counts["dot_general"][mode] >= expected[name], name
 
 
 # --- As policies: "mixed_mxfp8" and "mixed_nvfp4" wherever "mixed_float8" goes -----------
