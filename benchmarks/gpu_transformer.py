@@ -11,12 +11,13 @@ configurations, each in its own process so peak memory is its own:
   layers' matmuls in float8 with current tensorwise scaling, the logits head
   and everything else in bfloat16);
 - mixed_mxfp8 and mixed_nvfp4: the same Dense layers in those block-scaled formats
-  (`jax.nn.scaled_dot_general` on a GPU, through `jmp_policy.block_scaled`).
+  (`jax.nn.scaled_dot_general` on a Blackwell GPU, through `jmp_policy.block_scaled`; on
+  an older GPU the emulation, whose numbers are the same, so its speed is not the format's).
 
 Reports tokens/s, peak device memory (`memory_stats()`), the speedup over
 float32, how many fp8 GEMMs (cuBLASLt float8 custom calls) and how many
-block-scaled GEMMs (the custom calls JAX's `scaled_dot_general` lowers to) the
-compiled step holds, so a silent fallback to bfloat16 is caught. Exits with a message
+block-scaled GEMMs the compiled step holds (cuDNN's, out of the calls to JAX's op the
+program asked for), so a silent fallback to bfloat16 is caught. Exits with a message
 on machines without a GPU (`--cpu-smoke` runs every configuration at a tiny
 size on CPU instead, for the test suite).
 
@@ -24,6 +25,7 @@ size on CPU instead, for the test suite).
 """
 
 import argparse
+import functools
 import json
 import re
 import subprocess
@@ -53,13 +55,41 @@ def fp8_gemms(hlo: str) -> int:
 
 
 def block_scaled_gemms(hlo: str) -> int:
-    """How many block-scaled GEMMs an optimized HLO module calls: custom calls whose target
-    names a block-scaled dot (JAX's `__op$block_scaled_dot`, or the cuDNN call XLA makes of
-    it). Not yet seen on a Blackwell GPU: a zero there means the pattern needs a look first."""
-    call = re.compile(
-        r"custom[-_]call.*custom_call_target=\"[^\"]*(?:block_scaled|[Bb]lock[Ss]cale)"
+    """How many GEMMs of an optimized GPU HLO module run on block-scaled tensor cores: what
+    XLA makes of JAX's block-scaled dot when cuDNN takes it, a custom call to
+    `__cudnn$blockScaledDot` (earlier XLA) or a cuDNN fusion (`__cudnn$fusion`) of the
+    composite `mx.block_scaled_dot` (later XLA). Where cuDNN does not take it, XLA expands the
+    op into a dequantization and a plain dot, and this counts 0. Read off XLA's
+    block-scaling rewriter; not yet seen on a Blackwell GPU."""
+    cudnn_call = re.compile(r'custom_call_target="__cudnn\$blockScaledDot"')
+    return sum(
+        1
+        for line in hlo.splitlines()
+        if cudnn_call.search(line) or ("mx.block_scaled_dot" in line and "__cudnn$fusion" in line)
     )
-    return sum(1 for line in hlo.splitlines() if call.search(line))
+
+
+def requested_block_gemms(stablehlo: str) -> int:
+    """How many times a lowered (StableHLO) module runs JAX's block-scaled dot, the custom
+    call `__op$block_scaled_dot`: counted through the private functions that hold it, since
+    JAX lowers each distinct `_scaled_matmul` once and calls it from every use."""
+    bodies: dict[str, list[str]] = {}
+    for line in stablehlo.splitlines():
+        name = re.match(r"\s*func\.func \w+ @([\w$.]+)", line)
+        if name:
+            bodies[name.group(1)] = []
+        elif bodies:
+            bodies[next(reversed(bodies))].append(line)
+
+    @functools.cache
+    def calls(function: str) -> int:
+        return sum(
+            ("custom_call @__op$block_scaled_dot" in line)
+            + sum(calls(callee) for callee in re.findall(r"\bcall @([\w$.]+)\(", line))
+            for line in bodies.get(function, ())
+        )
+
+    return calls("main")
 
 
 def measure(config, args):
@@ -68,6 +98,7 @@ def measure(config, args):
     import optax
 
     import jmp_policy as jmp
+    from jmp_policy import block_scaled
 
     class Block(nn.Module):
         @nn.compact
@@ -114,7 +145,8 @@ def measure(config, args):
     # float8); `fp8_gemms` below says whether the compiled one got fp8 GEMMs.
     fp8_share = jmp.precision_report(step, params, opt_state, x, y).fp8_matmul_flop_share
     step = jax.jit(step, donate_argnums=(0, 1))
-    hlo = step.lower(params, opt_state, x, y).compile().as_text()
+    lowered = step.lower(params, opt_state, x, y)
+    hlo = lowered.compile().as_text()
     params, opt_state = step(params, opt_state, x, y)  # compile
     jax.block_until_ready(params)
     start = time.perf_counter()
@@ -133,6 +165,8 @@ def measure(config, args):
         "device": jax.devices()[0].device_kind,
         "fp8_gemms": fp8_gemms(hlo),
         "block_gemms": block_scaled_gemms(hlo),
+        "block_gemms_requested": requested_block_gemms(lowered.as_text()),
+        "block_hardware": block_scaled.hardware_path(),
         "fp8_share": fp8_share,
     }
 
@@ -147,10 +181,13 @@ def table(results) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        fell_back = (r["config"] == "mixed_float8" and not r["fp8_gemms"]) or (
-            r["config"] in BLOCK_SCALED and not r["block_gemms"]
-        )
-        fallback = " (none: fell back)" if fell_back else ""
+        fallback = ""
+        if r["config"] == "mixed_float8" and not r["fp8_gemms"]:
+            fallback = " (none: fell back)"
+        elif r["config"] in BLOCK_SCALED and not r["block_hardware"]:
+            fallback = " (emulated: not a GPU with block-scaled tensor cores)"
+        elif r["config"] in BLOCK_SCALED and r["block_gemms"] < r["block_gemms_requested"]:
+            fallback = f" of {r['block_gemms_requested']} asked (the rest fell back)"
         lines.append(
             f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['peak_gib']:.2f} | "

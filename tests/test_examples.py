@@ -255,13 +255,38 @@ def test_gpu_benchmark_configurations_run_tiny_on_cpu():
     ]  # fmt: skip
     assert all(r["tokens_per_s"] > 0 and r["skipped"] == 0 for r in results)
     assert [r["fp8_gemms"] for r in results] == [0] * 6
-    assert [r["block_gemms"] for r in results] == [0] * 6  # the emulation on CPU: no custom call
+    # The emulation on CPU: no call to JAX's op asked for, none compiled.
+    assert [(r["block_gemms"], r["block_gemms_requested"]) for r in results] == [(0, 0)] * 6
+    assert not any(r["block_hardware"] for r in results)
     # The traced step asks for float8 (or a block-scaled format) on every Dense layer (the head
-    # left out): float8 in both directions; the block-scaled emulation's gradient matmuls
-    # multiply dequantized values, in float32 (their forward third counts).
+    # left out): float8 and MXFP8 in both directions; NVFP4's gradient matmuls in float32
+    # (its forward third counts).
     print([round(r["fp8_share"], 3) for r in results])
-    assert [r["fp8_share"] > 0.5 for r in results] == [False, False, False, True, False, False]
+    assert [r["fp8_share"] > 0.5 for r in results] == [False, False, False, True, True, False]
     assert [r["fp8_share"] > 0.2 for r in results] == [False, False, False, True, True, True]
+
+
+def test_gpu_benchmark_counts_block_gemms_in_both_forms_xla_prints():
+    """The compiled-HLO counter, on the two forms XLA's block-scaling rewriter gives a GEMM
+    cuDNN takes (a custom call; a cuDNN fusion of the composite), and the fallback it gives
+    one cuDNN does not take (a plain dot), which must not count."""
+    count = load("benchmarks/gpu_transformer.py").block_scaled_gemms
+    cudnn_call = (
+        "%cc = (f32[1,128,128]{2,1,0}, u8[0]{0}) custom-call(%a, %b, %sa, %sb), "
+        'custom_call_target="__cudnn$blockScaledDot"'
+    )
+    cudnn_fusion = (
+        "%fusion.2 = f32[1,128,128]{2,1,0} fusion(%a, %b, %sa, %sb), kind=kCustom, "
+        'calls=%bsd, frontend_attributes={composite.name="mx.block_scaled_dot",'
+        'composite.version="1"}, backend_config={"fusion_backend_config":'
+        '{"kind":"__cudnn$fusion"}}'
+    )
+    fallback = (
+        "%dot.3 = f32[1,128,128]{2,1,0} dot(%deq.1, %deq.2), lhs_batch_dims={0}, "
+        "lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={2}"
+    )
+    assert count("\n".join([cudnn_call, cudnn_fusion, fallback, cudnn_fusion])) == 3
+    assert count(fallback) == 0
 
 
 def test_gpu_benchmark_exits_cleanly_without_gpu(capsys):
