@@ -16,7 +16,9 @@ the format.
 
 The backward pass is JAX's op's: with MXFP8 both gradient matmuls quantize their operands too
 (the cotangent with the `grads` config, blocks along the axis each gradient matmul contracts);
-with NVFP4 they run in float32, and gradients of values clipped in the forward pass are zero.
+with NVFP4 they run in float32, and gradients of values clipped in the forward pass are zero
+(a mask apart from the matmul, so that a weight shared under `vmap` is masked once its
+examples' gradients are summed).
 One difference: an MXFP8 gradient matmul whose contracted axes do not hold whole blocks (a
 matmul under `vmap`, whose rows are one example) runs in float32, where JAX's op refuses it.
 On a Blackwell GPU the backward pass is this module's too, its gradient matmuls JAX's op
@@ -284,19 +286,36 @@ def _block_scaled_bwd(dimension_numbers, mode, out_dtype, use_jax, residuals, g)
                 g, other.astype(jnp.float32), dims, preferred_element_type=jnp.float32
             )
         grads.append(jnp.transpose(out, permutation))
-    if mode == "nvfp4":  # straight-through, zero where the forward pass clipped
-        config = _config(mode)
-        bound = (
-            config.global_scale[0]
-            * float(jnp.finfo(config.data_type).max)
-            * float(jnp.finfo(config.scale_type).max)
-        )
-        kept = [jnp.abs(x.astype(jnp.float32)) <= bound for x in (lhs, rhs)]
-        grads = [jnp.where(k, d, 0.0) for k, d in zip(kept, grads, strict=True)]
     return tuple(d.astype(x.dtype) for x, d in zip((lhs, rhs), grads, strict=True))
 
 
 _block_scaled.defvjp(_block_scaled_fwd, _block_scaled_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _unclipped_gradient(x: jax.Array, mode: str) -> jax.Array:
+    """`x`, with a gradient that is zero where the format's quantization clips `x`: NVFP4's
+    straight-through estimator, as JAX's op has it. Apart from the matmul, so that under `vmap`
+    an unmapped weight's gradient is masked once its examples are summed, not per example
+    (which would keep a weight-sized gradient per example)."""
+    return x
+
+
+def _unclipped_gradient_fwd(x, mode):
+    return x, x
+
+
+def _unclipped_gradient_bwd(mode, x, g):
+    config = _config(mode)
+    bound = (
+        config.global_scale[0]
+        * float(jnp.finfo(config.data_type).max)
+        * float(jnp.finfo(config.scale_type).max)
+    )
+    return (jnp.where(jnp.abs(x.astype(jnp.float32)) <= bound, g, jnp.zeros_like(g)),)
+
+
+_unclipped_gradient.defvjp(_unclipped_gradient_fwd, _unclipped_gradient_bwd)
 
 
 def block_scaled_dot_general(
@@ -354,4 +373,6 @@ def block_scaled_dot_general(
                 f"blocks of {_config(mode).block_size} values, as {mode} needs."
             )
     use_jax = implementation == "jax" or (implementation is None and hardware_path())
+    if mode == "nvfp4":  # straight-through: zero gradient where the forward pass clips
+        lhs, rhs = _unclipped_gradient(lhs, mode), _unclipped_gradient(rhs, mode)
     return _block_scaled(lhs, rhs, dn, mode, jnp.dtype(preferred_element_type), use_jax)

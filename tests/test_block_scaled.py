@@ -86,6 +86,59 @@ def test_forward_and_gradients_are_jax_ops(jax_op_on_cpu, mode, shapes):
     assert 0 < error < (0.06 if mode == "mxfp8" else 0.2)
 
 
+def test_nvfp4_gradient_is_zero_where_the_forward_pass_clips(jax_op_on_cpu):
+    """NVFP4's straight-through estimator, as JAX's op has it: values beyond what the format
+    holds (global scale x 6 x 448 = 2688) get no gradient, in either operand, also for a
+    weight shared under `vmap`, where the mask applies to the examples' summed gradient (so no
+    weight-sized gradient is kept per example)."""
+    dn = (((1,), (0,)), ((), ()))
+    lhs = jax.random.normal(jax.random.key(0), (32, 64)).at[3, 5].set(4000.0)
+    rhs = jax.random.normal(jax.random.key(1), (64, 16)).at[7, 2].set(-5000.0)
+
+    def loss(dot):
+        return lambda a, b: jnp.sum(dot(a, b) ** 2)
+
+    ours = jax.jit(
+        jax.grad(loss(lambda a, b: block_scaled_dot_general(a, b, dn, mode="nvfp4")), (0, 1))
+    )
+    theirs = jax.jit(jax.grad(loss(lambda a, b: jax_op_on_cpu(a, b, dn, "nvfp4")), (0, 1)))
+    grads, expected = ours(lhs, rhs), theirs(lhs, rhs)
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-3)
+    assert grads[0][3, 5] == 0 and grads[1][7, 2] == 0
+    assert bool(jnp.all(grads[0].at[3, 5].set(1.0) != 0))  # only there
+
+    def per_example(a, b):  # an Equinox layer: one example, the weight shared
+        return block_scaled_dot_general(b.T, a, (((1,), (0,)), ((), ())), mode="nvfp4")
+
+    mapped = jax.jit(jax.grad(loss(jax.vmap(per_example, in_axes=(0, None))), (0, 1)))
+    weight_grad = mapped(lhs, rhs)[1]
+    assert weight_grad[7, 2] == 0
+    np.testing.assert_allclose(weight_grad, grads[1], rtol=1e-5, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_an_equinox_weight_keeps_no_gradient_per_example(mode):
+    """Under `vmap` (an Equinox MLP, 64 examples, 256 wide), the compiled train step's
+    temporaries stay far below one weight gradient per example (64 x 256 x 256 x 4 bytes =
+    16 MiB; the NVFP4 mask inside the matmul's backward pass once kept exactly that). XLA's
+    buffer sizes are deterministic."""
+    import equinox as eqx
+
+    import jmp_policy as jmp
+
+    x = jax.random.normal(jax.random.key(0), (64, 256))
+    mlp = eqx.nn.MLP(256, 256, 256, 1, key=jax.random.key(1))
+    arrays, static = eqx.partition(jmp.eqx.mixed_precision(mlp, f"mixed_{mode}"), eqx.is_array)
+
+    def step(arrays, x):
+        return jax.grad(lambda a: jnp.sum(jax.vmap(eqx.combine(a, static))(x) ** 2))(arrays)
+
+    temp = jax.jit(step).lower(arrays, x).compile().memory_analysis().temp_size_in_bytes
+    print(f"{mode}: {temp / 2**20:.2f} MiB of temporaries")
+    assert temp < 64 * 256 * 256 * 4 / 8
+
+
 @pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
 def test_fake_quantize_is_jax_quantization(mode):
     config = jax.nn.get_scaled_dot_general_config(mode)
