@@ -24,7 +24,7 @@ from typing import Any
 import equinox as eqx
 
 from jmp_policy.autocast import autocast
-from jmp_policy.policy import Policy, check_policy, get_policy, warn_if_half_params
+from jmp_policy.policy import Policy, check_model_policy
 from jmp_policy.scaled_grad import value_and_scaled_grad
 
 
@@ -89,9 +89,7 @@ def mixed_precision(model: Any, policy: Policy | str = "mixed_float16") -> Mixed
         raise TypeError(
             f"Expected a callable Equinox module for `model`, got {type(model).__name__}."
         )
-    given = policy
-    policy = get_policy(policy) if isinstance(policy, str) else check_policy(policy)
-    warn_if_half_params(policy, given, "jmp_policy.eqx.mixed_precision")
+    policy = check_model_policy(policy, "jmp_policy.eqx.mixed_precision")
     if isinstance(model, MixedPrecision):  # applied again: the new policy replaces the old
         model = model.model
     return MixedPrecision(policy.cast_to_param(model), policy)

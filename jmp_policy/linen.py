@@ -34,9 +34,8 @@ from jmp_policy.overrides import FLOAT32, Overrides, is_compute_dtype, island_sc
 from jmp_policy.policy import (
     Policy,
     casting_policy,
-    check_policy,
+    check_model_policy,
     is_floating_array,
-    warn_if_half_params,
 )
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
@@ -70,8 +69,7 @@ class MixedPrecisionModule:
                 f"Expected a flax.linen.Module for `module`, got {type(module).__name__}."
             )
         self.module = module
-        self.policy = check_policy(policy)
-        warn_if_half_params(self.policy, policy, "jmp_policy.linen.mixed_precision")
+        self.policy = check_model_policy(policy, "jmp_policy.linen.mixed_precision")
         self.overrides = Overrides(overrides, nn.Module)
         self.reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
         self.accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)

@@ -30,11 +30,11 @@ from jmp_policy.census import trace, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, float8_format, fp8_layer
 from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy.policy import (
+    BLOCK_FORMATS,
     Policy,
     cast_floating,
     casting_policy,
-    check_policy,
-    warn_if_half_params,
+    check_model_policy,
 )
 from jmp_policy.transform import find_loss_scaling_state, unless_skipped
 
@@ -204,8 +204,7 @@ def mixed_precision(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"Expected a flax.nnx.Module for `model`, got {type(model).__name__}.")
-    given, policy = policy, check_policy(policy)
-    warn_if_half_params(policy, given, "jmp_policy.nnx.mixed_precision")
+    policy = check_model_policy(policy, "jmp_policy.nnx.mixed_precision")
     rules = Overrides(overrides, nnx.Module)
     reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
     accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)
@@ -453,4 +452,4 @@ def _take_back_hooks(module: nnx.Module) -> None:
 
 _ABSENT = object()
 # One per format, told apart from a user's by identity.
-_POLICY_FP8_DOTS = {fmt: Fp8DotGeneral(fmt) for fmt in ("hybrid", "mxfp8", "nvfp4")}
+_POLICY_FP8_DOTS = {fmt: Fp8DotGeneral(fmt) for fmt in ("hybrid", *BLOCK_FORMATS.values())}

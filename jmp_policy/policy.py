@@ -201,7 +201,7 @@ def _closest_policy_name(name: str) -> str | None:
         return f"{words[0]}={words[1]}"  # compute_float16: the 'key=dtype' form
     if "mixed" in known and len(set(halves)) == 1:
         return f"mixed_{halves[0]}"
-    for block in ("mxfp8", "nvfp4"):
+    for block in BLOCK_FORMATS.values():
         if block in words:
             return f"mixed_{block}"
     if any(w.startswith(("float8", "fp8", "f8", "e4m3", "e5m2")) for w in words):
@@ -333,13 +333,15 @@ def get_policy(policy_name: str) -> Policy:
     return Policy(params, compute, output)
 
 
-def warn_if_half_params(policy: Policy, given: Any, integration: str) -> None:
-    """Warns (at the user's line) when a policy named by one dtype ("f16", "half", "float16",
-    "bf16") is applied to a model: jmp's names for that dtype everywhere, master weights too,
-    where a newcomer meant mixed precision. A `Policy` or 'key=dtype' pairs that ask for
-    16-bit parameters (with `low_precision_optimizer`) are taken as meant."""
+def check_model_policy(given: Any, integration: str) -> Policy:
+    """`check_policy(given)` for a policy applied to a model by `integration`, which warns (at
+    the user's line) when `given` names one dtype ("f16", "half", "float16", "bf16"): jmp's
+    names for that dtype everywhere, master weights too, where a newcomer meant mixed
+    precision. A `Policy` or 'key=dtype' pairs that ask for 16-bit parameters (with
+    `low_precision_optimizer`) are taken as meant."""
+    policy = check_policy(given)
     if policy.param_dtype.itemsize > 2 or not isinstance(given, str) or "=" in given:
-        return
+        return policy
     half = policy.param_dtype.name
     warn_at_user_line(
         f"{integration}: the policy {given!r} stores the parameters in {half} too ({policy}). "
@@ -348,6 +350,7 @@ def warn_if_half_params(policy: Policy, given: Any, integration: str) -> None:
         f"{half} compute, pass 'mixed_{half}'.",
         UserWarning,
     )
+    return policy
 
 
 def check_policy(policy: Any, argument: str = "policy") -> Policy:
