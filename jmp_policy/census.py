@@ -215,12 +215,13 @@ def _convert_count(jaxpr: Jaxpr | ClosedJaxpr) -> int:
     )
 
 
-def _block_format(eqn: JaxprEqn) -> str | None:
+def _block_format(eqn: JaxprEqn, stack: str | None = None) -> str | None:
     """The format ("mxfp8", "nvfp4") of a block-scaled GEMM: JAX's, or the emulation's
-    matmul (`jmp_policy.block_scaled`); else None."""
+    matmul (`jmp_policy.block_scaled`); else None. `stack`: the equation's whole name stack,
+    where it is not the equation's own."""
     if eqn.primitive.name in BLOCK_GEMMS:
         return _BLOCK_VALUES.get(jnp.dtype(_aval(eqn.invars[0]).dtype).name, "block_scaled")
-    stack = str(eqn.source_info.name_stack)
+    stack = str(eqn.source_info.name_stack) if stack is None else stack
     if eqn.primitive.name != "dot_general" or SCOPE not in stack:
         return None
     # The scope's name, also inside a transform's wrapping: `jvp(block_scaled_mxfp8)`.
@@ -308,6 +309,8 @@ def float32_matmuls(
         for sub in jaxprs_in_params(eqn.params):
             yield from float32_matmuls(sub, stack, region)
         if eqn.primitive.name not in MATMULS or compute_dtype(eqn) != np.float32:
+            continue
+        if _block_format(eqn, stack) is not None:  # its format's GEMM (emulated in float32)
             continue
         intended = region or FLOAT32_ISLAND in stack.split("/")
         if region:
