@@ -7,9 +7,12 @@ its program with casts:
 - deny-listed primitives (exp, log, pow, sqrt/rsqrt, erf, logistic, sums,
   products and cumulative sums: what softmax, logsumexp, normalisation
   statistics and losses lower to) run in float32;
-- everything else runs in the widest floating dtype among its (non-weak)
-  floating operands (torch's "promote"); integer, bool and key values are never
-  touched;
+- everything else follows `jmp_policy.activations.meet`: where a half-precision
+  activation meets a float32 weight, constant or island value (a bias add, a
+  residual add after a norm), it runs in the activation's dtype, so activations
+  stay in the compute dtype between the float32 islands; where it meets a
+  float32 statistic (a mean, a variance, a log-sum-exp) it runs in float32;
+  integer, bool and key values are never touched;
 - the floating outputs are cast to `output_dtype`.
 
 Nested `jit` is inlined; `scan`, `while_loop`, `cond`/`switch` and
@@ -39,6 +42,15 @@ from jax.extend import core as jcore
 from jmp_policy import _naming
 from jmp_policy._compat import DropVar, bind_params, jaxprs_in_params
 from jmp_policy._pytree import is_traced_leaf
+from jmp_policy.activations import (
+    ACTIVATION,
+    ISLAND,
+    STATISTIC,
+    WEIGHT,
+    combined,
+    kind_of_dtype,
+    meet,
+)
 from jmp_policy.fp8 import (
     FORMATS,
     FP8_EXCLUDE,
@@ -237,6 +249,37 @@ def _source_context(eqn: Any):
     return _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack)
 
 
+# The kinds (`jmp_policy.activations`) of the float32 values computed so far, one record per
+# evaluation on this thread: {id(value): (value, kind)} (the value is kept, so an id is never
+# reused while it is recorded). Values not recorded are weights, or activations by dtype.
+_KINDS = threading.local()
+
+
+def _kind(x: Any) -> str:
+    stack = getattr(_KINDS, "stack", None)
+    found = stack[-1].get(id(x)) if stack else None
+    return kind_of_dtype(x.dtype, found[1] if found is not None and found[0] is x else None)
+
+
+def _record(values: Iterable, kind: str) -> None:
+    stack = getattr(_KINDS, "stack", None)
+    if stack and kind in (ISLAND, STATISTIC):
+        for v in values:
+            if _is_float(v) and v.dtype == _FLOAT32:
+                stack[-1][id(v)] = (v, kind)
+
+
+def _inherit(outer: Iterable, inner: Iterable) -> None:
+    """A body's inputs (new tracers) have the kinds of the values they stand for."""
+    for o, i in zip(outer, inner, strict=True):
+        if _is_float(o) and _is_float(i):
+            _record([i], _kind(o))
+
+
+def _kinds(values: Iterable) -> list:
+    return [_kind(x) for x in values if _is_float(x)]
+
+
 def _eval_jaxpr(jaxpr: Any, consts: list, args: list, rules: _Rules) -> list:
     env: dict = {}
 
@@ -281,12 +324,14 @@ def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
                 "function instead (shard_map(autocast(f, policy), ...))."
             )
         # Run as traced: custom derivative rules and typed callbacks stay exact.
-        return _bind(eqn, _cast_like_avals(invals, [v.aval for v in eqn.invars]))
+        outs = _bind(eqn, _cast_like_avals(invals, [v.aval for v in eqn.invars]))
+        _record(outs, combined(_kinds(invals)))
+        return outs
     floating = [i for i, x in enumerate(invals) if _is_float(x)]
     if not floating:
         return _bind(eqn, invals)
     if name in NO_HALF_KERNEL:
-        return _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+        return _in_float32(eqn, invals)
     try:
         return _eval_by_rules(eqn, invals, floating, rules)
     except (TypeError, ValueError, NotImplementedError):
@@ -294,7 +339,153 @@ def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
         # runs in float32 rather than failing the whole function.
         if not any(jnp.finfo(invals[i].dtype).bits < 32 for i in floating):
             raise
-        return _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+        return _in_float32(eqn, invals)
+
+
+# Deny-listed reductions: what they make of activations is a statistic (`activations`).
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod"})
+
+
+# Primitives whose backward pass needs no operand (linear in every floating operand): they
+# keep nothing for the backward pass whatever their dtype, and are bound as they are.
+_LINEAR = frozenset(
+    {
+        "add",
+        "sub",
+        "neg",
+        "reduce_sum",
+        "cumsum",
+        "broadcast_in_dim",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "convert_element_type",
+        "select_n",
+        "concatenate",
+        "pad",
+        "slice",
+        "dynamic_slice",
+        "gather",
+        "copy",
+        "copy_p",
+        "stop_gradient",
+    }
+)
+
+
+def _in_float32(eqn: Any, invals: list, half: np.dtype | None = None) -> list:
+    """`eqn` computed in float32. With `half` (a float32 island inside a half-precision
+    program), a nonlinear op on activations keeps its full-size operands for the backward pass
+    in `half`, not float32: the island's memory is what the same model in `half` keeps."""
+    # Full-size operands (activations, and statistics or weights broadcast to their size);
+    # smaller ones (a row's statistic, a weight as stored) stay float32: they cost little.
+    size = max(np.size(x) for x in invals)
+    keep = [
+        i
+        for i, x in enumerate(invals)
+        if _is_float(x)
+        and size > 1
+        and np.size(x) == size
+        and any(_kind(y) in (ACTIVATION, ISLAND) for y in invals if _is_float(y))
+    ]
+    if half is None or half == _FLOAT32 or not keep or eqn.primitive.name in _LINEAR:
+        outs = _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+    elif eqn.primitive.name == "div" and keep == [0]:
+        outs = [_quotient_keeping_half(invals[0], invals[1], half, eqn)]
+    else:
+        outs = _keeping_half(eqn, invals, frozenset(keep), half)
+    reduction = eqn.primitive.name in _REDUCTIONS
+    _record(outs, combined(_kinds(invals), reduction))
+    return outs
+
+
+# The half-precision copy a float32 island value was kept as for the backward pass, one record
+# per evaluation on this thread ({id(value): (value, copy)}): a matmul that takes the value in
+# half precision takes that copy, so the backward pass keeps one.
+_HALF_COPIES = threading.local()
+
+
+def _half_of(x: Any, half: np.dtype) -> Any:
+    stack = getattr(_HALF_COPIES, "stack", None)
+    found = stack[-1].get(id(x)) if stack else None
+    if found is not None and found[0] is x and found[1].dtype == half:
+        return found[1]
+    return _cast(x, half)
+
+
+def _quotient_keeping_half(a: Any, b: Any, half: np.dtype, eqn: Any) -> Any:
+    """`a / b` in float32 for an activation `a` and a statistic `b` (softmax's quotient, a
+    normalised value): its derivative needs only the quotient and `b`, so the quotient's
+    half-precision copy is kept (and taken by the matmul that follows), not `a`."""
+
+    def run(a, b):
+        return _bind(eqn, [_cast(a, _FLOAT32), _cast(b, _FLOAT32)])[0]
+
+    @jax.custom_vjp
+    def quotient(a, b):
+        q = run(a, b)
+        return q, _cast(q, half)
+
+    def forward(a, b):
+        q, copy = quotient(a, b)
+        return (q, copy), (copy, _cast(b, _FLOAT32))
+
+    a_dtype, b_dtype = a.dtype, b.dtype
+
+    def backward(kept, cotangents):
+        copy, wide_b = kept
+        g = _cast(cotangents[0], _FLOAT32) + _cast(cotangents[1], _FLOAT32)
+        ga = g / wide_b
+        gb = -ga * _cast(copy, _FLOAT32)
+        broadcast = tuple(i for i, n in enumerate(wide_b.shape) if n == 1 and gb.shape[i] != 1)
+        gb = jnp.sum(gb, axis=broadcast, keepdims=True) if broadcast else gb
+        return _cast(ga, a_dtype), _cast(jnp.broadcast_to(gb, wide_b.shape), b_dtype)
+
+    quotient.defvjp(forward, backward)
+    q, copy = quotient(a, b)
+    stack = getattr(_HALF_COPIES, "stack", None)
+    if stack:
+        stack[-1][id(q)] = (q, copy)
+    return q
+
+
+def _keeping_half(eqn: Any, invals: list, keep: frozenset, half: np.dtype) -> list:
+    """`eqn` in float32, differentiated from the operands in `keep` stored in `half` (the
+    backward pass recomputes the op's derivative in float32 from them)."""
+
+    def run(*operands):
+        return _bind(eqn, [_cast(x, _FLOAT32) for x in operands])
+
+    @jax.custom_vjp
+    def op(*operands):
+        return run(*operands)
+
+    def forward(*operands):
+        kept = [_cast(x, half) if i in keep else x for i, x in enumerate(operands)]
+        return run(*operands), kept
+
+    def backward(kept, cotangents):
+        floating = [i for i, x in enumerate(kept) if _is_float(x)]
+        wide = [_cast(x, _FLOAT32) for x in kept]
+
+        def of_floating(*values):
+            full = list(wide)
+            for i, v in zip(floating, values, strict=True):
+                full[i] = v
+            return run(*full)
+
+        _, vjp = jax.vjp(of_floating, *[wide[i] for i in floating])
+        grads = iter(vjp(list(cotangents)))
+        return tuple(
+            _cast(next(grads), x.dtype)
+            if _is_float(x)
+            else np.zeros(np.shape(x), jax.dtypes.float0)
+            for x in invals
+        )
+
+    op.defvjp(forward, backward)
+    return op(*invals)
 
 
 # The weights and their casts in the program being evaluated (`cast_at_use`), one entry per
@@ -382,9 +573,12 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
                 )
             return [out]
     if name in rules.allow and name in _MIXED and (rules.reduce or rules.accumulate is not None):
-        lhs, rhs = invals
-        if not rules.reduce:  # gradients in the compute dtype: cast before the op
-            lhs, rhs = _cast(lhs, rules.compute), _cast(rhs, rules.compute)
+        # Only weights go in as float32 (their gradients made in float32): an activation
+        # that is float32 here (an island's output) is cast first, so the matmul keeps its
+        # half-precision copy for the backward pass, not the float32 one.
+        lhs, rhs = (
+            x if rules.reduce and _kind(x) == WEIGHT else _half_of(x, rules.compute) for x in invals
+        )
 
         def op(lhs, rhs, preferred):
             # Through lax's functions, not `bind`: they add what the operands need
@@ -397,7 +591,7 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
             return [mixed(op, rules.compute, rules.accumulate, lhs, rhs)]
     if name in rules.allow:
         target = rules.compute
-        invals = [_cast(x, target) for x in invals]
+        invals = [_half_of(x, target) for x in invals]
         if (
             "preferred_element_type" in eqn.params
             and eqn.params["preferred_element_type"] is not None
@@ -407,14 +601,48 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
             return _bind(eqn, invals, preferred_element_type=target)
         return _bind(eqn, invals)
     if name in rules.deny:
-        return _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
-    strong = [
-        invals[i].dtype for i in floating if not getattr(eqn.invars[i].aval, "weak_type", False)
-    ]
+        return _in_float32(eqn, invals, rules.compute)
+    strong = [i for i in floating if not getattr(eqn.invars[i].aval, "weak_type", False)]
     if not strong:
-        return _bind(eqn, invals)
-    target = _widest(strong)
-    return _bind(eqn, [_cast(x, target) for x in invals])
+        outs = _bind(eqn, invals)
+        _record(outs, combined(_kinds(invals)))
+        return outs
+    target, kind = meet([invals[i].dtype for i in strong], [_kind(invals[i]) for i in strong])
+    if target == _FLOAT32 and kind == ISLAND:  # an island computing on activations
+        return _in_float32(eqn, invals, rules.compute)
+    shape = eqn.outvars[0].aval.shape if rules.reduce else None
+    outs = _bind(eqn, [_meeting(x, target, shape) for x in invals])
+    _record(outs, STATISTIC if kind == ISLAND and name.startswith("reduce_") else kind)
+    return outs
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _saturate(x: Any, largest: float) -> Any:
+    return lax.clamp(np.asarray(-largest, x.dtype), x, np.asarray(largest, x.dtype))
+
+
+@_saturate.defjvp
+def _saturate_jvp(largest, primals, tangents):
+    # Straight through: a linear derivative keeps nothing for the backward pass.
+    return _saturate(primals[0], largest), tangents[0]
+
+
+def _meeting(x: Any, target: Any, shape: tuple | None) -> Any:
+    """`x` cast to the dtype of the op it meets. A weight or constant cast down saturates at
+    the format's largest finite value: a mask filled with `finfo(float32).min` (Flax's
+    attention) stays finite, so a fully masked row still has a softmax. With `shape` (weight
+    gradients in float32), a weight the op broadcasts (a bias added to a batch) is broadcast
+    in float32 first, so the sum over the batch that is its gradient runs in float32."""
+    if (
+        _is_float(x)
+        and x.dtype != target
+        and _kind(x) == WEIGHT
+        and jnp.finfo(target).bits < jnp.finfo(x.dtype).bits
+    ):
+        if shape is not None and np.shape(x) != shape and np.ndim(x) == len(shape):
+            x = jnp.broadcast_to(x, shape)
+        return _cast(_saturate(x, float(jnp.finfo(target).max)), target)
+    return _cast(x, target)
 
 
 def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
@@ -445,6 +673,7 @@ def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
 
     def rematted(*inner):
         inner = _follow_weights(rules, invals, list(inner), wide)
+        _inherit(invals, inner)
         return body(inner)
 
     with _source_context(eqn):
@@ -490,6 +719,7 @@ def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
 
     def body(carry, x):
         x = _follow_weights(rules, xs, list(x), wide)
+        _inherit([*init, *xs], [*carry, *x])
         outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], rules)
         new_carry = [_cast(o, c.dtype) for o, c in zip(outs[:n_carry], carry, strict=True)]
         return new_carry, outs[n_carry:]
@@ -510,9 +740,11 @@ def _eval_while(params: dict, invals: list, rules: _Rules) -> list:
     cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
 
     def cond_fn(carry):
+        _inherit(init, carry)
         return _eval_closed(params["cond_jaxpr"], [*cond_consts, *carry], rules)[0]
 
     def body_fn(carry):
+        _inherit(init, carry)
         outs = _eval_closed(params["body_jaxpr"], [*body_consts, *carry], rules)
         return [_cast(o, c.dtype) for o, c in zip(outs, carry, strict=True)]
 
@@ -532,6 +764,7 @@ def _eval_cond(params: dict, invals: list, rules: _Rules) -> list:
 
     def agreeing(f):
         def run(*a):
+            _inherit(operands, a)
             outs = f(list(a))
             return [o if d is None else _cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
 
@@ -601,7 +834,14 @@ class _Autocast:
             if cast_inputs:
                 flat = [_cast(x, rules.compute) for x in flat]
             if not rules.at_use:
-                return [_cast(o, rules.output) for o in _eval_closed(closed, list(flat), rules)]
+                _KINDS.stack = [*getattr(_KINDS, "stack", []), {}]
+                _HALF_COPIES.stack = [*getattr(_HALF_COPIES, "stack", []), {}]
+                try:
+                    outs = _eval_closed(closed, list(flat), rules)
+                finally:
+                    _KINDS.stack.pop()
+                    _HALF_COPIES.stack.pop()
+                return [_cast(o, rules.output) for o in outs]
             if not hasattr(_DOWNCASTS, "stack"):
                 _DOWNCASTS.stack = []
             _DOWNCASTS.stack.append(({id(w): w for w in flat[:n_weights]}, {}))

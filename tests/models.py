@@ -93,6 +93,40 @@ class GPT(nn.Module):
         return nn.Dense(self.vocab, use_bias=False, name="head")(nn.LayerNorm()(x))
 
 
+class DtypeGPT(nn.Module):
+    """`GPT` written the way Flax's examples write it: `dtype` passed to every layer (None:
+    float32). With `dtype=jnp.bfloat16` it is the hand-written half-precision baseline that
+    the memory benchmark and tests hold the integrations to."""
+
+    vocab: int = 64
+    dim: int = 64
+    length: int = 128
+    layers: int = 4
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.dim, dtype=self.dtype)(tokens)
+        position = self.param("position", nn.initializers.normal(0.02), (self.length, self.dim))
+        x = x + position[: tokens.shape[-1]].astype(x.dtype)
+        for _ in range(self.layers):
+            x = block_layers(x, 4, causal=True, dtype=self.dtype)
+        x = nn.LayerNorm(dtype=self.dtype)(x)
+        return nn.Dense(self.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
+
+
+def residual_bytes(fun: Any, *args: Any) -> dict[str, int]:
+    """Bytes `jax.grad(fun)` keeps from the forward pass for the backward pass, by dtype
+    (the arguments left out): what activation memory follows on any platform."""
+    from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals reads
+
+    found: dict[str, int] = {}
+    for aval, why in saved_residuals(fun, *args):
+        if "argument" not in why:
+            found[aval.dtype.name] = found.get(aval.dtype.name, 0) + aval.size * aval.dtype.itemsize
+    return found
+
+
 class Classifier(nn.Module):
     """An optional conv stem, one transformer block, a classifier head on the mean token.
 
