@@ -29,7 +29,7 @@ import jmp_policy as jmp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from equinox_transformer import CharLM  # noqa: E402
-from models import NNXGPT, DtypeGPT, residual_bytes  # noqa: E402
+from models import GPT, NNXGPT, residual_bytes  # noqa: E402
 
 HALF = ("mixed_float16", "mixed_bfloat16")
 
@@ -62,7 +62,7 @@ def _row(model, how, fun, args) -> dict:
 
 def linen_rows(layers, batch, length) -> list[dict]:
     tokens = jax.random.randint(jax.random.key(0), (batch, length), 0, 64)
-    model = DtypeGPT(layers=layers, length=length)
+    model = GPT(dim=64, length=length, layers=layers)
     params = model.init(jax.random.key(1), tokens)["params"]
 
     def loss(params):
@@ -71,7 +71,7 @@ def linen_rows(layers, batch, length) -> list[dict]:
     rows = [_row("Linen GPT", "float32", loss, (params,))]
     for name in HALF:
         half = jmp.get_policy(name).compute_dtype
-        own = DtypeGPT(layers=layers, length=length, dtype=half)
+        own = GPT(dim=64, length=length, layers=layers, dtype=half)
         rows.append(
             _row(
                 "Linen GPT",

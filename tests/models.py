@@ -46,10 +46,11 @@ class Block(nn.Module):
 
     heads: int = 4
     causal: bool = True
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x):
-        return block_layers(x, self.heads, self.causal)
+        return block_layers(x, self.heads, self.causal, self.dtype)
 
 
 class ScannedBlock(nn.Module):
@@ -66,7 +67,10 @@ class GPT(nn.Module):
     """Token and position embeddings, `layers` causal blocks, a final LayerNorm and a head.
 
     Written as a Python loop of blocks (16 parameter leaves a block), or with `scan=True` as
-    `nn.scan` over `nn.remat` (the leaves stacked per layer).
+    `nn.scan` over `nn.remat` (the leaves stacked per layer). `dtype` is passed to every layer
+    of the loop, the way Flax's examples write it (None: float32): with `dtype=jnp.bfloat16` it
+    is the hand-written half-precision baseline the memory benchmark and tests hold the
+    integrations to.
     """
 
     vocab: int = 64
@@ -74,11 +78,13 @@ class GPT(nn.Module):
     length: int = 16
     layers: int = 12
     scan: bool = False
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.dim)(tokens)
-        x = x + self.param("position", nn.initializers.normal(0.02), (self.length, self.dim))
+        x = nn.Embed(self.vocab, self.dim, dtype=self.dtype)(tokens)
+        position = self.param("position", nn.initializers.normal(0.02), (self.length, self.dim))
+        x = x + position.astype(x.dtype)
         if self.scan:
             stack = nn.scan(
                 nn.remat(ScannedBlock),
@@ -89,28 +95,7 @@ class GPT(nn.Module):
             x, _ = stack(name="blocks")(x, None)
         else:
             for _ in range(self.layers):
-                x = Block()(x)
-        return nn.Dense(self.vocab, use_bias=False, name="head")(nn.LayerNorm()(x))
-
-
-class DtypeGPT(nn.Module):
-    """`GPT` written the way Flax's examples write it: `dtype` passed to every layer (None:
-    float32). With `dtype=jnp.bfloat16` it is the hand-written half-precision baseline that
-    the memory benchmark and tests hold the integrations to."""
-
-    vocab: int = 64
-    dim: int = 64
-    length: int = 128
-    layers: int = 4
-    dtype: Any = None
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.dim, dtype=self.dtype)(tokens)
-        position = self.param("position", nn.initializers.normal(0.02), (self.length, self.dim))
-        x = x + position[: tokens.shape[-1]].astype(x.dtype)
-        for _ in range(self.layers):
-            x = block_layers(x, 4, causal=True, dtype=self.dtype)
+                x = Block(dtype=self.dtype)(x)
         x = nn.LayerNorm(dtype=self.dtype)(x)
         return nn.Dense(self.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
 

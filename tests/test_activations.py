@@ -7,13 +7,13 @@ import numpy as np
 import optax
 import pytest
 from jax.extend import core as jcore
-from models import DtypeGPT, residual_bytes
+from models import GPT, residual_bytes
 
 import jmp_policy as jmp
 from jmp_policy.activations import ACTIVATION, ISLAND, STATISTIC, WEIGHT, meet
 
 TOKENS = jax.random.randint(jax.random.key(0), (2, 32), 0, 64)
-MODEL = DtypeGPT(layers=1, length=32)
+MODEL = GPT(dim=64, length=32, layers=1)
 PARAMS = jax.jit(MODEL.init)(jax.random.key(1), TOKENS)["params"]
 
 
@@ -42,7 +42,7 @@ def test_autocast_keeps_at_most_what_flax_own_dtype_keeps(policy):
     half = jmp.get_policy(policy).compute_dtype
     full = sum(residual_bytes(_loss(MODEL), PARAMS).values())
     with jax.numpy_dtype_promotion("standard"):  # Flax's own model mixes dtypes as written
-        own = residual_bytes(_loss(DtypeGPT(layers=1, length=32, dtype=half)), PARAMS)
+        own = residual_bytes(_loss(GPT(dim=64, length=32, layers=1, dtype=half)), PARAMS)
     own = sum(own.values())
     ours = residual_bytes(jmp.autocast(_loss(MODEL), policy), PARAMS)
     assert sum(ours.values()) <= min(own, 0.6 * full), (ours, own, full)
@@ -55,7 +55,7 @@ def test_no_float32_activation_is_kept_in_the_blocks():
     from jax._src.ad_checkpoint import saved_residuals
 
     def kept(layers):
-        model = DtypeGPT(layers=layers, length=32)
+        model = GPT(dim=64, length=32, layers=layers)
         params = jax.jit(model.init)(jax.random.key(1), TOKENS)["params"]
         found = saved_residuals(jmp.autocast(_loss(model), "mixed_float16"), params)
         big = [a for a, why in found if "argument" not in why and a.size >= TOKENS.size * 64]
@@ -70,7 +70,7 @@ def test_no_float32_activation_is_kept_in_the_blocks():
 
 def test_no_widen_op_narrow_pair_in_a_block():
     # A bias add runs in half precision: no value is widened, added to and narrowed back.
-    block = DtypeGPT(layers=1, length=32)
+    block = GPT(dim=64, length=32, layers=1)
     jaxpr = jax.make_jaxpr(jmp.autocast(lambda p: block.apply({"params": p}, TOKENS)))(PARAMS)
     program = jaxpr.eqns[0].params["jaxpr"].jaxpr
     widened = {
