@@ -253,20 +253,46 @@ def _source_context(eqn: Any):
 # evaluation on this thread: {id(value): (value, kind)} (the value is kept, so an id is never
 # reused while it is recorded). Values not recorded are weights, or activations by dtype.
 _KINDS = threading.local()
+# The half-precision copy a float32 island value was kept as for the backward pass, likewise
+# ({id(value): (value, copy)}): a matmul that takes the value in half precision takes that
+# copy, so the backward pass keeps one.
+_HALF_COPIES = threading.local()
+
+
+def _recorded(record: threading.local, x: Any) -> Any:
+    """What the current evaluation recorded of `x` in `record`, or None."""
+    stack = getattr(record, "stack", None)
+    found = stack[-1].get(id(x)) if stack else None
+    return found[1] if found is not None and found[0] is x else None
+
+
+def _remember(record: threading.local, x: Any, what: Any) -> None:
+    stack = getattr(record, "stack", None)
+    if stack:
+        stack[-1][id(x)] = (x, what)
+
+
+@contextlib.contextmanager
+def _evaluation():
+    """A new record of kinds and half-precision copies for one evaluation (nested ones too)."""
+    for record in (_KINDS, _HALF_COPIES):
+        record.stack = [*getattr(record, "stack", []), {}]
+    try:
+        yield
+    finally:
+        for record in (_KINDS, _HALF_COPIES):
+            record.stack.pop()
 
 
 def _kind(x: Any) -> str:
-    stack = getattr(_KINDS, "stack", None)
-    found = stack[-1].get(id(x)) if stack else None
-    return kind_of_dtype(x.dtype, found[1] if found is not None and found[0] is x else None)
+    return kind_of_dtype(x.dtype, _recorded(_KINDS, x))
 
 
 def _record(values: Iterable, kind: str) -> None:
-    stack = getattr(_KINDS, "stack", None)
-    if stack and kind in (ISLAND, STATISTIC):
+    if kind in (ISLAND, STATISTIC):
         for v in values:
             if _is_float(v) and v.dtype == _FLOAT32:
-                stack[-1][id(v)] = (v, kind)
+                _remember(_KINDS, v, kind)
 
 
 def _inherit(outer: Iterable, inner: Iterable) -> None:
@@ -378,16 +404,15 @@ def _in_float32(eqn: Any, invals: list, half: np.dtype | None = None) -> list:
     """`eqn` computed in float32. With `half` (a float32 island inside a half-precision
     program), a nonlinear op on activations keeps its full-size operands for the backward pass
     in `half`, not float32: the island's memory is what the same model in `half` keeps."""
+    kinds = [_kind(x) if _is_float(x) else None for x in invals]
     # Full-size operands (activations, and statistics or weights broadcast to their size);
     # smaller ones (a row's statistic, a weight as stored) stay float32: they cost little.
     size = max(np.size(x) for x in invals)
+    on_activations = ACTIVATION in kinds or ISLAND in kinds
     keep = [
         i
         for i, x in enumerate(invals)
-        if _is_float(x)
-        and size > 1
-        and np.size(x) == size
-        and any(_kind(y) in (ACTIVATION, ISLAND) for y in invals if _is_float(y))
+        if kinds[i] is not None and on_activations and size > 1 and np.size(x) == size
     ]
     if half is None or half == _FLOAT32 or not keep or eqn.primitive.name in _LINEAR:
         outs = _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
@@ -396,22 +421,13 @@ def _in_float32(eqn: Any, invals: list, half: np.dtype | None = None) -> list:
     else:
         outs = _keeping_half(eqn, invals, frozenset(keep), half)
     reduction = eqn.primitive.name in _REDUCTIONS
-    _record(outs, combined(_kinds(invals), reduction))
+    _record(outs, combined([k for k in kinds if k is not None], reduction))
     return outs
 
 
-# The half-precision copy a float32 island value was kept as for the backward pass, one record
-# per evaluation on this thread ({id(value): (value, copy)}): a matmul that takes the value in
-# half precision takes that copy, so the backward pass keeps one.
-_HALF_COPIES = threading.local()
-
-
 def _half_of(x: Any, half: np.dtype) -> Any:
-    stack = getattr(_HALF_COPIES, "stack", None)
-    found = stack[-1].get(id(x)) if stack else None
-    if found is not None and found[0] is x and found[1].dtype == half:
-        return found[1]
-    return _cast(x, half)
+    copy = _recorded(_HALF_COPIES, x)
+    return copy if copy is not None and copy.dtype == half else _cast(x, half)
 
 
 def _quotient_keeping_half(a: Any, b: Any, half: np.dtype, eqn: Any) -> Any:
@@ -444,9 +460,7 @@ def _quotient_keeping_half(a: Any, b: Any, half: np.dtype, eqn: Any) -> Any:
 
     quotient.defvjp(forward, backward)
     q, copy = quotient(a, b)
-    stack = getattr(_HALF_COPIES, "stack", None)
-    if stack:
-        stack[-1][id(q)] = (q, copy)
+    _remember(_HALF_COPIES, q, copy)
     return q
 
 
@@ -612,7 +626,7 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
         return _in_float32(eqn, invals, rules.compute)
     shape = eqn.outvars[0].aval.shape if rules.reduce else None
     outs = _bind(eqn, [_meeting(x, target, shape) for x in invals])
-    _record(outs, STATISTIC if kind == ISLAND and name.startswith("reduce_") else kind)
+    _record(outs, kind)
     return outs
 
 
@@ -834,13 +848,8 @@ class _Autocast:
             if cast_inputs:
                 flat = [_cast(x, rules.compute) for x in flat]
             if not rules.at_use:
-                _KINDS.stack = [*getattr(_KINDS, "stack", []), {}]
-                _HALF_COPIES.stack = [*getattr(_HALF_COPIES, "stack", []), {}]
-                try:
+                with _evaluation():
                     outs = _eval_closed(closed, list(flat), rules)
-                finally:
-                    _KINDS.stack.pop()
-                    _HALF_COPIES.stack.pop()
                 return [_cast(o, rules.output) for o in outs]
             if not hasattr(_DOWNCASTS, "stack"):
                 _DOWNCASTS.stack = []
