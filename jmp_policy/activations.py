@@ -33,11 +33,14 @@ precision the same way; the difference is that the float32 list still runs in fl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 WEIGHT = "weight"
 ACTIVATION = "activation"
@@ -77,3 +80,79 @@ def meet(dtypes: Sequence[Any], kinds: Sequence[str]) -> tuple[np.dtype, str]:
     if jnp.finfo(widest).bits < 32:
         return widest, ACTIVATION
     return widest, combined(kinds)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _saturate(x: Any, largest: float) -> Any:
+    return lax.clamp(np.asarray(-largest, x.dtype), x, np.asarray(largest, x.dtype))
+
+
+@_saturate.defjvp
+def _saturate_jvp(largest, primals, tangents):
+    # Straight through: a linear derivative keeps nothing for the backward pass.
+    return _saturate(primals[0], largest), tangents[0]
+
+
+def weight_at_use(weight: Any, dtype: Any, shape: tuple | None = None) -> Any:
+    """A float32 weight (or constant) cast down to the dtype of the activation it meets (rule
+    2 of `meet`). It saturates at the format's largest finite value: a mask filled with
+    `finfo(float32).min` stays finite, so a fully masked row still has a softmax. With `shape`
+    (weight gradients in float32), a weight the op broadcasts (a bias added to a batch) is
+    broadcast in float32 first, so the sum over the batch that is its gradient, and the sum
+    across devices after it, run in float32."""
+    dtype = np.dtype(dtype)
+    if weight.dtype == dtype:
+        return weight
+    if jnp.finfo(dtype).bits < jnp.finfo(weight.dtype).bits:
+        if shape is not None and np.shape(weight) != tuple(shape):
+            weight = jnp.broadcast_to(weight, shape)
+        weight = _saturate(weight, float(jnp.finfo(dtype).max))
+    return lax.convert_element_type(weight, dtype)
+
+
+def softmax_in_float32(logits: Any, axis: int = -1, dtype: Any = None, where: Any = None) -> Any:
+    """A float32 island for softmax that keeps one half-precision copy for the backward pass.
+
+    The softmax is computed in float32 from `logits` (any floating dtype) and returned in
+    `dtype` (default: the logits' dtype); the backward pass keeps only that returned value
+    (the copy the next matmul keeps anyway) and computes the derivative,
+    `y * (g - sum(g * y))`, in float32 from it. `jax.nn.softmax` in float32 would keep its
+    float32 `exp` and quotient besides the half copy the next matmul takes.
+
+    `where` (bool, broadcastable to the logits): entries where it is False count as
+    `finfo(float32).min`, as Flax's attention masks them (a row with an entry left has
+    weight 0 there; a fully masked row is uniform), and get no gradient. Masking here
+    rather than with `jnp.where` before the call keeps no float32 value for the mask.
+    """
+    logits = jnp.asarray(logits)
+    dtype = logits.dtype if dtype is None else np.dtype(dtype)
+    if where is not None:
+        where = jnp.asarray(where, bool)
+    return _softmax(logits, where, axis, dtype, logits.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _softmax(logits, where, axis, dtype, logits_dtype):
+    del logits_dtype
+    logits = logits.astype(_FLOAT32)
+    if where is not None:
+        logits = jnp.where(where, logits, jnp.finfo(_FLOAT32).min)
+    return jax.nn.softmax(logits, axis=axis).astype(dtype)
+
+
+def _softmax_forward(logits, where, axis, dtype, logits_dtype):
+    y = _softmax(logits, where, axis, dtype, logits_dtype)
+    return y, (y, where)
+
+
+def _softmax_backward(axis, dtype, logits_dtype, residuals, g):
+    del dtype
+    y, where = residuals
+    y, g = y.astype(_FLOAT32), g.astype(_FLOAT32)
+    grad = y * (g - jnp.sum(g * y, axis=axis, keepdims=True))
+    if where is not None:
+        grad = jnp.where(where, grad, 0.0)
+    return grad.astype(logits_dtype), None
+
+
+_softmax.defvjp(_softmax_forward, _softmax_backward)

@@ -50,6 +50,7 @@ from jmp_policy.activations import (
     combined,
     kind_of_dtype,
     meet,
+    weight_at_use,
 )
 from jmp_policy.fp8 import (
     FORMATS,
@@ -630,32 +631,13 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
     return outs
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _saturate(x: Any, largest: float) -> Any:
-    return lax.clamp(np.asarray(-largest, x.dtype), x, np.asarray(largest, x.dtype))
-
-
-@_saturate.defjvp
-def _saturate_jvp(largest, primals, tangents):
-    # Straight through: a linear derivative keeps nothing for the backward pass.
-    return _saturate(primals[0], largest), tangents[0]
-
-
 def _meeting(x: Any, target: Any, shape: tuple | None) -> Any:
-    """`x` cast to the dtype of the op it meets. A weight or constant cast down saturates at
-    the format's largest finite value: a mask filled with `finfo(float32).min` (Flax's
-    attention) stays finite, so a fully masked row still has a softmax. With `shape` (weight
-    gradients in float32), a weight the op broadcasts (a bias added to a batch) is broadcast
-    in float32 first, so the sum over the batch that is its gradient runs in float32."""
-    if (
-        _is_float(x)
-        and x.dtype != target
-        and _kind(x) == WEIGHT
-        and jnp.finfo(target).bits < jnp.finfo(x.dtype).bits
-    ):
-        if shape is not None and np.shape(x) != shape and np.ndim(x) == len(shape):
-            x = jnp.broadcast_to(x, shape)
-        return _cast(_saturate(x, float(jnp.finfo(target).max)), target)
+    """`x` cast to the dtype of the op it meets: a weight or constant cast down as
+    `activations.weight_at_use` says (saturating; broadcast in float32 first with `shape`)."""
+    if _is_float(x) and x.dtype != target and _kind(x) == WEIGHT:
+        if np.ndim(x) != len(shape or ()):
+            shape = None
+        return weight_at_use(x, target, shape)
     return _cast(x, target)
 
 

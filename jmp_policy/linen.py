@@ -26,6 +26,7 @@ import numpy as np
 from flax.core import unfreeze
 
 from jmp_policy import matmul
+from jmp_policy._flax_layers import attention_with_float32_softmax
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
 from jmp_policy.census import trace, warn_float32_matmuls
@@ -139,21 +140,15 @@ class MixedPrecisionModule:
                     self.accumulate_dtype,
                 )
             )
-            # Flax adds a float32 bias to the matmul's result: standard promotion there.
-            promotion = (
-                contextlib.nullcontext()
-                if out_dtype is None
-                else jax.numpy_dtype_promotion("standard")
-            )
             self._stack.append(policy)
             try:
                 with island_scope(self.overrides.own_policy(path, module), cast.compute_dtype):
-                    with promotion:
+                    with _layer_casting_inside(out_dtype) as bias:
                         out = next_fun(*cast.cast_to_compute(args), **cast.cast_to_compute(kwargs))
             finally:
                 self._stack.pop()
             if out_dtype is not None:
-                out = cast.with_compute_dtype(out_dtype).cast_to_compute(out)
+                out = cast.with_compute_dtype(out_dtype).cast_to_compute(bias.add_to(out))
             if path and args and not isinstance(module.parent, nn.Module):
                 out = _carry_keeps_its_dtype(args[0], out)
             return out
@@ -394,31 +389,43 @@ def _weights_cast_inside(
         hook = "conv_general_dilated"
     else:
         return None
+    # A bias over the output's trailing axes is added after the layer (`matmul.promote_bias_after`).
+    trailing = not getattr(module, "batch_dims", ())
     return matmul.take_over(
-        module, hook, compute, reduce_dtype, accumulate, set_attr=object.__setattr__
+        module, hook, compute, reduce_dtype, accumulate, object.__setattr__, trailing
     )
 
 
-def _weights_in_value_dtype(subscripts, weights, value, **kwargs):
-    # After a float32 softmax, the weights go back to the value's (compute)
-    # dtype, so the second attention matmul runs in half precision too.
-    return jnp.einsum(subscripts, weights.astype(value.dtype), value, **kwargs)
+@contextlib.contextmanager
+def _layer_casting_inside(out_dtype: np.dtype | None):
+    """Around a layer `_weights_cast_inside` took over (`out_dtype` set): its bias is left
+    for the caller to add (`matmul.adding_bias_after`); where Flax adds it itself (a layer
+    whose bias is not over the trailing axes), it adds a float32 bias to the matmul's
+    result under standard promotion."""
+    if out_dtype is None:
+        yield matmul.Bias()
+        return
+    with jax.numpy_dtype_promotion("standard"), matmul.adding_bias_after() as bias:
+        yield bias
 
 
 def _softmax_in_float32(module: nn.Module, policy: Policy) -> None:
-    """Attention modules (Flax's MultiHeadDotProductAttention) get a float32 softmax.
+    """Attention modules (Flax's MultiHeadDotProductAttention) get a float32 softmax: Flax's
+    default attention becomes `attention_with_float32_softmax` (one half-precision copy of
+    the weights kept); a custom `attention_fn` or einsum gets Flax's `force_fp32_for_softmax`.
 
     The bound module is a per-call clone, so the user's module is untouched.
     """
     fields = getattr(module, "__dataclass_fields__", {})
     if "force_fp32_for_softmax" not in fields or policy.compute_dtype == jnp.float32:
         return
-    object.__setattr__(module, "force_fp32_for_softmax", True)
     custom = ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
-    if all(name in fields and getattr(module, name) is None for name in custom):
-        # Flax takes both einsums or neither; the first is its default one.
-        object.__setattr__(module, custom[0], lambda: jnp.einsum)
-        object.__setattr__(module, custom[1], lambda: _weights_in_value_dtype)
+    if getattr(module, "attention_fn", None) is nn.dot_product_attention and all(
+        getattr(module, name, None) is None for name in custom
+    ):
+        object.__setattr__(module, "attention_fn", attention_with_float32_softmax)
+    else:
+        object.__setattr__(module, "force_fp32_for_softmax", True)
 
 
 def _fp8_matmuls(module: nn.Module, policy: Policy, path: tuple[str, ...]) -> None:

@@ -30,8 +30,10 @@ float32 operand, unless given `reduce_dtype=None`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -41,6 +43,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from jmp_policy._compat import DropVar, bind_params
+from jmp_policy.activations import WEIGHT, kind_of_dtype, meet, weight_at_use
 from jmp_policy.policy import normalise_dtype
 
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
@@ -241,12 +244,17 @@ def take_over(
     reduce_dtype: Any,
     accumulate: Any,
     set_attr: Callable = setattr,
+    bias_after: bool = False,
 ) -> np.dtype | None:
     """Gives a Flax layer (Linen or NNX) this module's op for `hook` ("dot_general",
     "conv_general_dilated" or "einsum_op") and, with a `reduce_dtype`, a `promote_dtype`
     that leaves its weights as stored; returns the dtype its output is cast to, or None
     where the layer is left as it is (no such hook in this Flax release, or the user's
-    own op or float8's there)."""
+    own op or float8's there).
+
+    `bias_after`: the layer's bias is one over its output's trailing axes (Dense, Conv, a
+    DenseGeneral without batch axes); with a `reduce_dtype` it is then added by the caller,
+    which runs the layer inside `adding_bias_after` (`promote_bias_after`)."""
     if not hasattr(module, hook):
         return None
     if getattr(module, hook) not in (None, FLAX_DEFAULTS[hook]) or (
@@ -255,7 +263,7 @@ def take_over(
         return None
     set_attr(module, hook, _OPS[hook](compute, accumulate))
     if reduce_dtype is not None:
-        set_attr(module, "promote_dtype", promote_inputs_only)
+        set_attr(module, "promote_dtype", promote_bias_after if bias_after else promote_inputs_only)
     return accumulate or compute
 
 
@@ -272,6 +280,56 @@ def promote_inputs_only(*args: Any, dtype: Any = None, inexact: bool = True) -> 
     values = _values(args)
     if dtype is not None and values and values[0] is not None:
         values[0] = jnp.asarray(values[0], dtype)
+    return values
+
+
+class Bias:
+    """Where `promote_bias_after` leaves a layer's bias for `adding_bias_after`."""
+
+    def __init__(self):
+        self.value: Any = None
+
+    def add_to(self, out: Any) -> Any:
+        """`out` plus the bias left here (none: `out`). The bias is reshaped over the trailing
+        axes, as Flax's layers reshape it, and meets the output as `activations.meet` says: a
+        float32 bias added to a half-precision output is broadcast in float32 and cast to
+        it there (`activations.weight_at_use`), so the add runs in half precision and the
+        bias gradient is summed over the batch, and across devices, in float32."""
+        bias = self.value
+        if bias is None:
+            return out
+        bias = jnp.reshape(bias, (1,) * (out.ndim - bias.ndim) + bias.shape)
+        dtype, _ = meet([out.dtype, bias.dtype], [kind_of_dtype(out.dtype, None), WEIGHT])
+        return out.astype(dtype) + weight_at_use(bias, dtype, out.shape)
+
+
+_PENDING = threading.local()
+
+
+@contextlib.contextmanager
+def adding_bias_after() -> Iterator[Bias]:
+    """Around one call of a layer given `promote_bias_after`: the layer adds a zero, and the
+    bias it would have added is left in the yielded slot for `add_to`."""
+    stack = _PENDING.__dict__.setdefault("stack", [])
+    slot = Bias()
+    stack.append(slot)
+    try:
+        yield slot
+    finally:
+        stack.pop()
+
+
+def promote_bias_after(*args: Any, dtype: Any = None, inexact: bool = True) -> list:
+    """`promote_inputs_only` for a layer whose bias the caller adds (`adding_bias_after`):
+    the bias goes to the caller's slot and the layer is given zeros in its place. Called
+    outside such a slot, it is `promote_inputs_only` (the layer adds its float32 bias)."""
+    values = promote_inputs_only(*args, dtype=dtype, inexact=inexact)
+    stack = getattr(_PENDING, "stack", None)
+    if dtype is None or not stack or stack[-1].value is not None:
+        return values
+    if len(values) == 3 and values[2] is not None:
+        stack[-1].value = values[2]
+        values[2] = jnp.zeros(jnp.shape(values[2]), dtype)
     return values
 
 

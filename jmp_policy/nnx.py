@@ -24,6 +24,7 @@ from jax import lax
 
 from jmp_policy import matmul
 from jmp_policy._compat import set_variable_value, variable_value
+from jmp_policy._flax_layers import attention_with_float32_softmax
 from jmp_policy._pytree import signature
 from jmp_policy.autocast import cast_at_use
 from jmp_policy.census import trace, warn_float32_matmuls
@@ -102,11 +103,13 @@ def _subclass(cls: type, role: str) -> type:
                     scopes.enter_context(jax.named_scope(name))
                 if out_dtype is None:
                     return base.__call__(self, *args, **kwargs)
-                # A layer that casts its weights inside its matmul (`jmp_policy.matmul`):
-                # Flax adds the float32 bias under standard promotion, the output is cast.
+                # A layer that casts its weights inside its matmul (`jmp_policy.matmul`): its
+                # bias is added after it (`matmul.adding_bias_after`), or where Flax adds it
+                # (not over the trailing axes), as float32 under standard promotion.
                 scopes.enter_context(jax.numpy_dtype_promotion("standard"))
+                bias = scopes.enter_context(matmul.adding_bias_after())
                 out = base.__call__(self, *args, **kwargs)
-            return cast_floating(out, out_dtype)
+            return cast_floating(bias.add_to(out), out_dtype)
 
         def root(self, *args, **kwargs):
             policy = self._jmp_policy_root
@@ -315,64 +318,6 @@ def revert_if_skipped(model: nnx.Module, optimizer: nnx.Optimizer) -> Iterator[N
         set_variable_value(after[path], value)
 
 
-def attention_with_float32_softmax(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
-    broadcast_dropout: bool = True,
-    dropout_rng=None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype=None,
-    precision=None,
-    module=None,
-    promote_dtype=None,
-    is_causal: bool = False,
-):
-    """Dot-product attention with half-precision matmuls and a float32 softmax.
-
-    A drop-in `attention_fn` for `nnx.MultiHeadAttention` (same arguments as
-    `nnx.dot_product_attention`). Both matmuls run in the compute dtype; the
-    softmax runs in float32 (exp overflows float16 above ~11), and
-    the weights go back to the value's dtype for the second matmul. It also avoids
-    `jax.nn.dot_product_attention`'s float16 path, which asks for the
-    F16_F16_F32 dot algorithm that XLA:CPU cannot compile.
-    """
-    if promote_dtype is not None:
-        query, key, value = promote_dtype((query, key, value), dtype=dtype)
-    depth = query.shape[-1]
-    query = query / jnp.sqrt(jnp.asarray(depth, jnp.float32)).astype(query.dtype)
-    # The matmul runs in the compute dtype (GPUs accumulate it in float32);
-    # the logits are widened after it, so the backward matmuls stay in half
-    # precision too.
-    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
-    logits = logits.astype(jnp.float32)
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    if is_causal:
-        causal = jnp.tril(jnp.ones(logits.shape[-2:], jnp.bool_))
-        mask = causal if mask is None else jnp.logical_and(mask, causal)
-    if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1)
-    if module is not None:
-        module.sow(nnx.Intermediate, "attention_weights", weights)
-    if not deterministic and dropout_rate > 0.0:
-        if dropout_rng is None:
-            raise ValueError("Expected a PRNG key for `dropout_rng` when dropout is on, got None.")
-        keep_prob = 1.0 - dropout_rate
-        shape = (
-            (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
-        )
-        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-        weights = jnp.where(keep, weights / keep_prob, 0.0)
-    return jnp.einsum(
-        "...hqk,...khd->...qhd", weights.astype(value.dtype), value, precision=precision
-    )
-
-
 def _apply_to_module(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> None:
     # setattr: Flax's layers declare these attributes, nnx.Module does not.
     compute = casting_policy(policy).compute_dtype
@@ -434,7 +379,9 @@ def _weights_cast_inside(
         hook = "einsum_op"
     else:
         return None
-    return matmul.take_over(module, hook, compute, reduce_dtype, accumulate)
+    # A bias over the output's trailing axes is added after the layer (`matmul.promote_bias_after`).
+    trailing = not isinstance(module, nnx.Einsum) and not getattr(module, "batch_axis", None)
+    return matmul.take_over(module, hook, compute, reduce_dtype, accumulate, bias_after=trailing)
 
 
 def _take_back_hooks(module: nnx.Module) -> None:
@@ -445,6 +392,7 @@ def _take_back_hooks(module: nnx.Module) -> None:
             setattr(module, hook, default)
     if getattr(module, "promote_dtype", None) in (
         matmul.promote_inputs_only,
+        matmul.promote_bias_after,
         matmul.promote_for_lookup,
     ):
         setattr(module, "promote_dtype", flax_promote_dtype)  # noqa: B010
