@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmp_policy._pytree import split_traced
 from jmp_policy.activations import softmax_in_float32
+from jmp_policy.policy import Policy
+
+
+def recomputed(call: Any, cast: Policy, state: Any, args: tuple, kwargs: dict) -> Any:
+    """`call(state, *args, **kwargs)` with the arrays of `args`/`kwargs` cast by `cast` (a
+    float32 island's policy) *inside* a `jax.checkpoint`: the backward pass keeps the
+    island's half-precision inputs (and `state`, the layer's variables) and recomputes its
+    float32 values from them, instead of keeping float32 copies of activations (a
+    LayerNorm keeps three, a BatchNorm two). The forward values are the same; the cost is
+    the layer's forward computation again in the backward pass, an elementwise pass over
+    the activation. Non-array arguments (`use_running_average=False`) are passed as they
+    are."""
+    arrays, rebuild = split_traced((args, kwargs))
+
+    def run(state, arrays):
+        args, kwargs = cast.cast_to_compute(rebuild(arrays))
+        return call(state, *args, **kwargs)
+
+    return jax.checkpoint(run)(state, arrays)
 
 
 def attention_with_float32_softmax(

@@ -26,7 +26,7 @@ import numpy as np
 from flax.core import unfreeze
 
 from jmp_policy import matmul
-from jmp_policy._flax_layers import attention_with_float32_softmax
+from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
 from jmp_policy.census import trace, warn_float32_matmuls
@@ -87,6 +87,7 @@ class MixedPrecisionModule:
         self._owns_weights: dict[Any, bool] = {}
         self._stack: list[Policy] = []
         self._checked: set[Any] = set()
+        self._as_written = False  # inside `_recomputed`: modules run as Flax wrote them
 
     def __repr__(self) -> str:
         return f"MixedPrecisionModule({type(self.module).__name__}, policy={self.policy})"
@@ -103,8 +104,10 @@ class MixedPrecisionModule:
         self, record: dict | None, cast_at_use: set | None = None, not_taken_over: set | None = None
     ):
         def intercept(next_fun, args, kwargs, context):
-            if context.method_name == "setup" or (
-                context.method_name.startswith("_") and context.method_name != "__call__"
+            if (
+                self._as_written
+                or context.method_name == "setup"
+                or (context.method_name.startswith("_") and context.method_name != "__call__")
             ):
                 return next_fun(*args, **kwargs)
             module = context.module
@@ -140,11 +143,24 @@ class MixedPrecisionModule:
                     self.accumulate_dtype,
                 )
             )
+            outer = casting_policy(self._stack[-1] if self._stack else self.policy)
+            recompute = (
+                context.method_name == "__call__"
+                and isinstance(module, tuple(NORMS_IN_FLOAT32))
+                and cast.compute_dtype == jnp.float32
+                and outer.compute_dtype != jnp.float32
+            )
             self._stack.append(policy)
             try:
                 with island_scope(self.overrides.own_policy(path, module), cast.compute_dtype):
-                    with _layer_casting_inside(out_dtype) as bias:
-                        out = next_fun(*cast.cast_to_compute(args), **cast.cast_to_compute(kwargs))
+                    if recompute:
+                        bias = matmul.Bias()  # a norm: nothing left to add
+                        out = self._recomputed(module, cast, args, kwargs)
+                    else:
+                        with _layer_casting_inside(out_dtype) as bias:
+                            out = next_fun(
+                                *cast.cast_to_compute(args), **cast.cast_to_compute(kwargs)
+                            )
             finally:
                 self._stack.pop()
             if out_dtype is not None:
@@ -154,6 +170,31 @@ class MixedPrecisionModule:
             return out
 
         return intercept
+
+    def _recomputed(self, module: nn.Module, cast: Policy, args: tuple, kwargs: dict) -> Any:
+        """A float32 normalisation layer inside a half-precision model, called so that the
+        backward pass keeps only its half-precision input (`_flax_layers.recomputed`): its
+        float32 computation is redone there. The layer runs as Flax wrote it, on its own
+        variables, and writes back the state it updates (BatchNorm's batch statistics)."""
+        clone = module.clone(parent=None)
+        variables = dict(module.variables)
+        mutable = [c for c in variables if c != "params" and module.is_mutable_collection(c)]
+
+        def call(variables, *args, **kwargs):
+            self._as_written = True
+            try:
+                return clone.apply(variables, *args, mutable=mutable or False, **kwargs)
+            finally:
+                self._as_written = False
+
+        out = recomputed(call, cast, variables, args, kwargs)
+        if not mutable:
+            return out
+        out, updated = out
+        for collection, values in updated.items():
+            for name, value in values.items():
+                module.put_variable(collection, name, value)
+        return out
 
     def _run(self, fn, record=None, cast_at_use=None, not_taken_over=None):
         self._stack = []

@@ -24,7 +24,7 @@ from jax import lax
 
 from jmp_policy import matmul
 from jmp_policy._compat import set_variable_value, variable_value
-from jmp_policy._flax_layers import attention_with_float32_softmax
+from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed
 from jmp_policy._pytree import signature
 from jmp_policy.autocast import cast_at_use
 from jmp_policy.census import trace, warn_float32_matmuls
@@ -98,9 +98,12 @@ def _subclass(cls: type, role: str) -> type:
 
         def scoped(self, *args, **kwargs):
             out_dtype = getattr(self, "_jmp_policy_out_dtype", None)
+            island = getattr(self, "_jmp_policy_recompute", None)
             with contextlib.ExitStack() as scopes:
                 for name in self._jmp_policy_scope:
                     scopes.enter_context(jax.named_scope(name))
+                if island is not None:
+                    return _recomputed(self, base, island, args, kwargs)
                 if out_dtype is None:
                     return base.__call__(self, *args, **kwargs)
                 # A layer that casts its weights inside its matmul (`jmp_policy.matmul`): its
@@ -234,6 +237,17 @@ def mixed_precision(
             )
         )
         object.__setattr__(module, "_jmp_policy_out_dtype", out_dtype)
+        # A float32 normalisation layer inside a half-precision model keeps only its
+        # half-precision input for the backward pass (`_recomputed`).
+        island = casting_policy(resolved[path])
+        outer = casting_policy(resolved.get(parent, policy))
+        recompute = (
+            bool(path)
+            and isinstance(module, tuple(NORMS_IN_FLOAT32))
+            and island.compute_dtype == jnp.float32
+            and outer.compute_dtype != jnp.float32
+        )
+        object.__setattr__(module, "_jmp_policy_recompute", island if recompute else None)
         at_use = at_use or (
             reduce_dtype is not None
             and out_dtype is None
@@ -258,6 +272,22 @@ def mixed_precision(
     object.__setattr__(model, "_jmp_policy_at_use", _AtUse() if at_use else None)
     model.__class__ = _subclass(type(model), "root")
     return model
+
+
+def _recomputed(module: nnx.Module, base: type, cast: Policy, args: tuple, kwargs: dict) -> Any:
+    """`base.__call__(module, ...)` as `_flax_layers.recomputed` runs a float32 island: the
+    backward pass keeps the half-precision input and redoes the float32 computation. The
+    module's state (BatchNorm's `BatchStat`s) is updated as the call left it."""
+    graphdef, state = nnx.split(module)
+
+    def call(state, *args, **kwargs):
+        inner = nnx.merge(graphdef, state)
+        out = base.__call__(inner, *args, **kwargs)
+        return out, nnx.state(inner, nnx.Not(nnx.Param))  # the forward pass changes no weight
+
+    out, updated = recomputed(call, cast, state, args, kwargs)
+    nnx.update(module, updated)
+    return out
 
 
 @contextlib.contextmanager
