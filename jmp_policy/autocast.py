@@ -720,6 +720,24 @@ def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
         new_carry = [_cast(o, c.dtype) for o, c in zip(outs[:n_carry], carry, strict=True)]
         return new_carry, outs[n_carry:]
 
+    # A float32 carry that starts as a weight (an embedding, zeros) and that the body makes an
+    # activation (a layer's output, as under `nn.scan` over blocks) is carried in the compute
+    # dtype, as it is between the layers of a Python loop (`activations.meet`); a carry that
+    # the body keeps in float32 (a sum of losses, statistics) stays float32.
+    def made(carry):
+        def run(carry, x):
+            return _eval_closed(params["jaxpr"], [*consts, *carry, *x], rules)[:n_carry]
+
+        xs_one = [jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for v in xs]
+        return [o.dtype for o in jax.eval_shape(run, carry, xs_one)]
+
+    init = list(init)
+    if any(_is_float(c) and c.dtype == _FLOAT32 and _kind(c) == WEIGHT for c in init):
+        for i, dtype in enumerate(made(init)):
+            c = init[i]
+            if _is_float(c) and c.dtype == _FLOAT32 and _kind(c) == WEIGHT and dtype != c.dtype:
+                init[i] = weight_at_use(c, dtype)
+
     carry, ys = lax.scan(
         body,
         list(init),

@@ -57,10 +57,11 @@ class ScannedBlock(nn.Module):
     """`Block` in the (carry, output) form `nn.scan` wants."""
 
     heads: int = 4
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, _):
-        return Block(self.heads)(x), None
+        return Block(self.heads, dtype=self.dtype)(x), None
 
 
 class GPT(nn.Module):
@@ -92,7 +93,7 @@ class GPT(nn.Module):
                 split_rngs={"params": True},
                 length=self.layers,
             )
-            x, _ = stack(name="blocks")(x, None)
+            x, _ = stack(dtype=self.dtype, name="blocks")(x, None)
         else:
             for _ in range(self.layers):
                 x = Block(dtype=self.dtype)(x)
@@ -102,13 +103,49 @@ class GPT(nn.Module):
 
 def residual_bytes(fun: Any, *args: Any) -> dict[str, int]:
     """Bytes `jax.grad(fun)` keeps from the forward pass for the backward pass, by dtype
-    (the arguments left out): what activation memory follows on any platform."""
-    from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals reads
+    (the arguments left out): what activation memory follows on any platform.
+
+    As `jax.ad_checkpoint.print_saved_residuals` counts them, less the residuals that are
+    broadcasts of literals (the zeros JAX instantiates for a tangent known to be zero, e.g.
+    in `relu`'s or `jnp.where`'s derivative): XLA fuses such a broadcast into the op that
+    reads it, so nothing is kept for it.
+    """
+    from jax.extend import core as jcore
+
+    flat, tree = jax.tree.flatten(args)
+    closed, shapes = jax.make_jaxpr(
+        lambda *flat: jax.vjp(lambda *a: fun(*jax.tree.unflatten(tree, a)), *flat),
+        return_shape=True,
+    )(*flat)
+    jaxpr = closed.jaxpr
+    kept = jaxpr.outvars[len(jaxpr.outvars) - len(jax.tree.leaves(shapes[1])) :]
+
+    def literal_only(var: Any, program: Any, outer: dict) -> bool:
+        if isinstance(var, jcore.Literal):
+            return True
+        if var in outer:  # an input of an inner program: what the caller passed
+            return outer[var]()
+        made = next((e for e in program.eqns if var in e.outvars), None)
+        if made is None:
+            return False
+        inner = made.params.get("jaxpr")
+        if made.primitive.name in ("jit", "pjit", "closed_call") and inner is not None:
+            inner = getattr(inner, "jaxpr", inner)
+            passed = {
+                v: (lambda a=a: literal_only(a, program, outer))
+                for v, a in zip(inner.invars, made.invars, strict=True)
+            }
+            return literal_only(inner.outvars[made.outvars.index(var)], inner, passed)
+        if made.primitive.name in ("broadcast_in_dim", "convert_element_type", "reshape"):
+            return all(literal_only(v, program, outer) for v in made.invars)
+        return False
 
     found: dict[str, int] = {}
-    for aval, why in saved_residuals(fun, *args):
-        if "argument" not in why:
-            found[aval.dtype.name] = found.get(aval.dtype.name, 0) + aval.size * aval.dtype.itemsize
+    for var in {v for v in kept if not isinstance(v, jcore.Literal)}:
+        if var in jaxpr.invars or literal_only(var, jaxpr, {}):
+            continue
+        aval = var.aval
+        found[aval.dtype.name] = found.get(aval.dtype.name, 0) + aval.size * aval.dtype.itemsize
     return found
 
 
@@ -134,18 +171,33 @@ class Classifier(nn.Module):
 
 
 class CNN(nn.Module):
-    """Conv -> BatchNorm -> relu blocks, then a Dense classifier."""
+    """Conv -> BatchNorm -> relu blocks, then a Dense classifier (`dtype`: as `GPT`'s)."""
 
     features: tuple[int, ...] = (8, 16)
     classes: int = 4
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
         for features in self.features:
-            x = nn.Conv(features, (3, 3))(x)
-            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+            x = nn.Conv(features, (3, 3), dtype=self.dtype)(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype)(x)
             x = nn.relu(x)
-        return nn.Dense(self.classes, name="head")(x.mean(axis=(1, 2)))
+        return nn.Dense(self.classes, dtype=self.dtype, name="head")(x.mean(axis=(1, 2)))
+
+
+class MLP(nn.Module):
+    """Dense -> gelu layers and a Dense head (`dtype`: as `GPT`'s)."""
+
+    features: tuple[int, ...] = (256, 256)
+    classes: int = 10
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        for features in self.features:
+            x = nn.gelu(nn.Dense(features, dtype=self.dtype)(x))
+        return nn.Dense(self.classes, dtype=self.dtype, name="head")(x)
 
 
 class NNXBlock(nnx.Module):
@@ -220,3 +272,67 @@ def loss_fn(params, x, y):
     """`MODEL`'s mean cross-entropy: plain float32 Flax, no mixed-precision code."""
     logits = MODEL.apply({"params": params}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def round_trips(jaxpr: Any) -> dict[str, list]:
+    """The casts of a program (and of every program inside it) that a hand-written half-precision
+    model would not have:
+    - "widen_op_narrow": a half value widened to float32, used by an op whose float32 result is
+      narrowed back (an add done in float32 between two half values);
+    - "lossy": a float32 value narrowed to 16 bits and widened back (bits lost for nothing).
+    Each entry is the equation that closes the pair."""
+    from jax.extend import core as jcore
+
+    found: dict[str, list] = {"widen_op_narrow": [], "lossy": []}
+
+    def bits(aval) -> int:
+        dtype = getattr(aval, "dtype", None)
+        return (
+            jnp.finfo(dtype).bits
+            if dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+            else 0
+        )
+
+    def walk(program) -> None:
+        made = {v: e for e in program.eqns for v in e.outvars}
+        # Shape-only ops pass a value through: look through them to the cast that made it.
+        through = {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice"}
+
+        def origin(v):
+            e = None if isinstance(v, jcore.Literal) else made.get(v)
+            while e is not None and e.primitive.name in through:
+                v = e.invars[0]
+                e = None if isinstance(v, jcore.Literal) else made.get(v)
+            return e
+
+        def is_cast(e, src, dst):
+            return (
+                e is not None
+                and e.primitive.name == "convert_element_type"
+                and bits(e.invars[0].aval) == src
+                and bits(e.outvars[0].aval) == dst
+            )
+
+        for e in program.eqns:
+            for value in e.params.values():
+                for inner in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(inner, jcore.ClosedJaxpr):
+                        walk(inner.jaxpr)
+                    elif isinstance(inner, jcore.Jaxpr):
+                        walk(inner)
+            if e.primitive.name != "convert_element_type" or isinstance(e.invars[0], jcore.Literal):
+                continue
+            src = origin(e.invars[0])
+            if (
+                is_cast(e, 32, 16)
+                and src is not None
+                and src.primitive.name != "convert_element_type"
+            ):
+                widened = [origin(v) for v in src.invars]
+                if any(is_cast(w, 16, 32) for w in widened):
+                    found["widen_op_narrow"].append(e)
+            if is_cast(e, 16, 32) and is_cast(src, 32, 16):
+                found["lossy"].append(e)
+
+    walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+    return found

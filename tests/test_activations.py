@@ -1,17 +1,22 @@
 """Activations stay in the compute dtype between float32 islands (`jmp_policy.activations`)."""
 
+import pathlib
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.extend import core as jcore
-from models import GPT, residual_bytes
+from models import CNN, GPT, MLP, NNXGPT, NNXBlock, residual_bytes, round_trips
 
 import jmp_policy as jmp
 from jmp_policy.activations import ACTIVATION, ISLAND, STATISTIC, WEIGHT, meet
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOKENS = jax.random.randint(jax.random.key(0), (2, 32), 0, 64)
 MODEL = GPT(dim=64, length=32, layers=1)
 PARAMS = jax.jit(MODEL.init)(jax.random.key(1), TOKENS)["params"]
@@ -158,3 +163,147 @@ def test_equinox_keeps_no_more_than_mpx_would():
     whole = jax.tree.map(lambda a: a.astype(jnp.float16) if eqx.is_inexact_array(a) else a, model)
     with jax.numpy_dtype_promotion("standard"):  # a model cast whole mixes dtypes
         assert bytes_of(jmp.eqx.mixed_precision(model, "mixed_float16")) <= bytes_of(whole)
+
+
+HALF = ["mixed_float16", "mixed_bfloat16"]
+
+
+def _linen_case(name, dtype=None):
+    """A Linen model of the suite written with `dtype=` on every layer, its input and labels,
+    and the collections `apply` updates."""
+    tokens = jax.random.randint(jax.random.key(0), (4, 64), 0, 64)
+    if name == "MLP":
+        x = jax.random.normal(jax.random.key(0), (64, 32))
+        return MLP((128, 128), 10, dtype=dtype), x, jnp.zeros(64, jnp.int32), False
+    if name == "CNN + BatchNorm":
+        x = jax.random.normal(jax.random.key(0), (8, 16, 16, 3))
+        return CNN((8, 16), 4, dtype=dtype), x, jnp.zeros(8, jnp.int32), ["batch_stats"]
+    scan = name == "nn.scan GPT"
+    return GPT(dim=32, length=64, layers=4, scan=scan, dtype=dtype), tokens, tokens, False
+
+
+def _linen_loss(apply, variables, x, labels, mutable):
+    rest = {k: v for k, v in variables.items() if k != "params"}
+
+    def loss(params):
+        out = apply({"params": params, **rest}, x, mutable=mutable)
+        logits = out[0] if mutable else out
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), labels
+        ).mean()
+
+    return loss
+
+
+@pytest.mark.parametrize("policy", HALF)
+@pytest.mark.parametrize("name", ["MLP", "GPT loop", "nn.scan GPT", "CNN + BatchNorm"])
+def test_linen_integrations_keep_at_most_0_6x_and_what_flax_own_dtype_keeps(name, policy):
+    model, x, labels, mutable = _linen_case(name)
+    variables = jax.jit(model.init)(jax.random.key(1), x)
+
+    def kept(apply, transform=lambda f: f):
+        loss = transform(_linen_loss(apply, variables, x, labels, mutable))
+        return sum(residual_bytes(loss, variables["params"]).values())
+
+    full = kept(model.apply)
+    with jax.numpy_dtype_promotion("standard"):  # Flax's own model mixes dtypes as written
+        own = kept(_linen_case(name, jmp.get_policy(policy).compute_dtype)[0].apply)
+    mixed = jmp.linen.mixed_precision(model, jmp.get_policy(policy))
+    for how, ours in [
+        ("linen.mixed_precision", kept(mixed.apply)),
+        ("autocast", kept(model.apply, lambda f: jmp.autocast(f, policy))),
+    ]:
+        assert ours <= min(own, 0.6 * full), (how, ours / full, own / full)
+
+
+@pytest.mark.parametrize("policy", HALF)
+def test_nnx_keeps_at_most_0_6x_and_what_its_own_dtype_keeps(policy):
+    tokens = jax.random.randint(jax.random.key(0), (4, 64), 0, 64)
+
+    def kept(model):
+        graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params):
+            logits = nnx.merge(graph, params, rest)(tokens).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+        return sum(residual_bytes(loss, params).values())
+
+    half = jmp.get_policy(policy).compute_dtype
+    own = NNXGPT(64, 32, 4, rngs=nnx.Rngs(0))
+    for _, module in nnx.iter_graph(own):  # Flax's own dtype= on every layer
+        if isinstance(module, nnx.Module) and hasattr(module, "dtype"):
+            module.dtype = half
+    full = kept(NNXGPT(64, 32, 4, rngs=nnx.Rngs(0)))
+    with jax.numpy_dtype_promotion("standard"):
+        own = kept(own)
+    ours = kept(jmp.nnx.mixed_precision(NNXGPT(64, 32, 4, rngs=nnx.Rngs(0)), policy))
+    assert ours <= min(own, 0.6 * full), (ours / full, own / full)
+
+
+@pytest.mark.parametrize("policy", HALF)
+def test_equinox_example_keeps_at_most_0_6x_and_what_mpx_keeps(policy):
+    sys_path_example()
+    from equinox_transformer import CharLM
+
+    mpx = pytest.importorskip("mpx")  # mixed-precision-for-jax, a test extra
+    tokens = jax.random.randint(jax.random.key(0), (4, 64), 0, 128)
+    model = CharLM(jax.random.key(1), length=64, layers=2)
+
+    def kept(call):
+        arrays, static = eqx.partition(model, eqx.is_array)
+
+        def loss(arrays):
+            logits = jax.vmap(call(eqx.combine(arrays, static)))(tokens)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), tokens
+            ).mean()
+
+        return sum(residual_bytes(loss, arrays).values())
+
+    mpx.set_half_precision_datatype(jmp.get_policy(policy).compute_dtype)
+    with jax.numpy_dtype_promotion("standard"):  # MPX's model mixes dtypes
+        theirs = kept(mpx.cast_to_half_precision)
+    ours = kept(lambda m: jmp.eqx.mixed_precision(m, policy))
+    full = kept(lambda m: m)
+    assert ours <= min(theirs, 0.6 * full), (ours / full, theirs / full)
+
+
+@pytest.mark.parametrize("policy", HALF)
+def test_no_cast_a_hand_written_model_would_not_have(policy):
+    # One block of each integration: no half value widened for an op and narrowed back (a
+    # bias add in float32), no float32 value narrowed and widened back (bits lost for
+    # nothing, e.g. the head's logits). `round_trips` finds both (6 pairs a block in the
+    # Linen and NNX integrations before their bias adds ran in half precision).
+    half = jmp.get_policy(policy).compute_dtype
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    gpt = GPT(dim=32, length=16, layers=1)
+    params = gpt.init(jax.random.key(1), tokens)["params"]
+    mixed = jmp.linen.mixed_precision(gpt, jmp.get_policy(policy))
+    block = jmp.nnx.mixed_precision(NNXBlock(32, 4, rngs=nnx.Rngs(0)), policy)
+    with_head = jmp.nnx.mixed_precision(NNXGPT(64, 32, 1, rngs=nnx.Rngs(0)), policy)
+    sys_path_example()
+    from equinox_transformer import Block
+
+    eqx_block = jmp.eqx.mixed_precision(Block(32, 4, jax.random.key(0)), policy)
+    x = jax.random.normal(jax.random.key(2), (16, 32))
+    mask = jnp.tril(jnp.ones((16, 16), bool))
+    programs = {
+        "linen": jax.make_jaxpr(lambda p: mixed.apply({"params": p}, tokens))(params),
+        "autocast": jax.make_jaxpr(
+            jmp.autocast(lambda p: gpt.apply({"params": p}, tokens), policy)
+        )(params),
+        # Inside a model a block's input is an activation in the compute dtype.
+        "nnx block": jax.make_jaxpr(lambda x: block(x))(x[None].astype(half)),
+        "nnx with head": jax.make_jaxpr(lambda t: with_head(t))(tokens),
+        "equinox": jax.make_jaxpr(lambda x: eqx_block(x, mask))(x),
+    }
+    for how, program in programs.items():
+        found = round_trips(program)
+        assert found == {"widen_op_narrow": [], "lossy": []}, (how, found)
+
+
+def sys_path_example():
+    """The examples folder on the path (the Equinox example's model)."""
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))
