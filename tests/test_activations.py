@@ -307,3 +307,40 @@ def sys_path_example():
     """The examples folder on the path (the Equinox example's model)."""
     if str(ROOT / "examples") not in sys.path:
         sys.path.insert(0, str(ROOT / "examples"))
+
+
+@pytest.mark.parametrize("policy", HALF)
+def test_the_float32_list_still_computes_in_float32_in_every_integration(policy):
+    # Exp and log (softmax, the loss), rsqrt and sums (normalisation statistics) in float32;
+    # matmuls in the compute dtype.
+    sys_path_example()
+    from equinox_transformer import CharLM
+
+    half = jmp.get_policy(policy).compute_dtype.name
+    tokens = TOKENS[:, :32]
+
+    def cross_entropy(logits):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), tokens
+        ).mean()
+
+    gpt = GPT(dim=32, length=32, layers=2)
+    params = gpt.init(jax.random.key(1), tokens)["params"]
+    mixed = jmp.linen.mixed_precision(gpt, jmp.get_policy(policy))
+    graph, state = nnx.split(jmp.nnx.mixed_precision(NNXGPT(64, 32, 2, rngs=nnx.Rngs(0)), policy))
+    charlm = jmp.eqx.mixed_precision(CharLM(jax.random.key(1), vocab=64, length=32), policy)
+    reports = {
+        "linen": jmp.precision_report(
+            lambda p: cross_entropy(mixed.apply({"params": p}, tokens)), params
+        ),
+        "autocast": jmp.precision_report(
+            jmp.autocast(lambda p: cross_entropy(gpt.apply({"params": p}, tokens)), policy), params
+        ),
+        "nnx": jmp.precision_report(lambda s: cross_entropy(nnx.merge(graph, s)(tokens)), state),
+        "equinox": jmp.precision_report(lambda m: cross_entropy(jax.vmap(m)(tokens)), charlm),
+    }
+    for how, report in reports.items():
+        counts = report.counts
+        for primitive in ("exp", "log", "rsqrt", "reduce_sum"):
+            assert set(counts[primitive]) == {"float32"}, (how, primitive, counts[primitive])
+        assert counts["dot_general"] == {half: 17}, (how, counts["dot_general"])
