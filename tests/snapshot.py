@@ -63,6 +63,11 @@ def _rows(fun, *args) -> list:
     )
 
 
+def _origin(origin) -> list:
+    """The first non-finite operation: its primitive, layer, direction and source file."""
+    return [origin.primitive, origin.layer, origin.direction, pathlib.Path(origin.source).stem]
+
+
 def _debugged(loss, *args, **kwargs) -> dict:
     report = jmp.debug_precision(loss, *args, **kwargs)
     origin = report.origin
@@ -72,9 +77,7 @@ def _debugged(loss, *args, **kwargs) -> dict:
                 [s.layer, s.direction, s.count, s.amax, s.underflow, s.overflow, s.nonfinite]
                 for s in report.layers
             ],
-            "origin": None
-            if origin is None
-            else [origin.primitive, origin.layer, origin.direction, origin.source.split("/")[-1].split(":")[0]],
+            "origin": None if origin is None else _origin(origin),
             "nonfinite_inputs": list(report.nonfinite_inputs),
             "advice": report.advice(),
         }
