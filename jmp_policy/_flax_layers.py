@@ -10,25 +10,31 @@ from flax import nnx
 
 from jmp_policy._pytree import split_traced
 from jmp_policy.activations import softmax_in_float32
-from jmp_policy.policy import Policy
+from jmp_policy.policy import Policy, cast_floating
 
 
-def recomputed(call: Any, cast: Policy, state: Any, args: tuple, kwargs: dict) -> Any:
-    """`call(state, *args, **kwargs)` with the arrays of `args`/`kwargs` cast by `cast` (a
-    float32 island's policy) *inside* a `jax.checkpoint`: the backward pass keeps the
-    island's half-precision inputs (and `state`, the layer's variables) and recomputes its
-    float32 values from them, instead of keeping float32 copies of activations (a
-    LayerNorm keeps three, a BatchNorm two). The forward values are the same; the cost is
-    the layer's forward computation again in the backward pass, an elementwise pass over
-    the activation. Non-array arguments (`use_running_average=False`) are passed as they
-    are."""
+def recomputed(call: Any, cast: Policy, state: Any, args: tuple, kwargs: dict, back_to: Any) -> Any:
+    """A float32 normalisation layer inside a half-precision model, as Flax's own `dtype=`
+    layers and `activations.meet` treat an island: `call(state, *args, **kwargs)` (the layer
+    on its variables `state`) with the arrays of `args`/`kwargs` cast by `cast` (the island's
+    float32 policy), and its floating output handed back in `back_to` (the compute dtype of
+    the model around it, so a `nn.scan`/`nnx.scan` carry keeps its dtype).
+
+    The cast and the layer run inside a `jax.checkpoint`: the backward pass keeps the layer's
+    half-precision inputs (and `state`) and recomputes its float32 values from them, instead
+    of float32 copies of activations (a LayerNorm keeps three, a BatchNorm two). The forward
+    values are the same; the cost is the layer's forward computation again in the backward
+    pass, an elementwise pass over the activation. Non-array arguments
+    (`use_running_average=False`) are passed as they are. Returns what `call` returns (the
+    layer's output, and whatever `call` adds to it) with the output's floating leaves cast."""
     arrays, rebuild = split_traced((args, kwargs))
 
     def run(state, arrays):
         args, kwargs = cast.cast_to_compute(rebuild(arrays))
         return call(state, *args, **kwargs)
 
-    return jax.checkpoint(run)(state, arrays)
+    out, rest = jax.checkpoint(run)(state, arrays)
+    return cast_floating(out, back_to), rest
 
 
 def attention_with_float32_softmax(

@@ -155,7 +155,7 @@ class MixedPrecisionModule:
                 with island_scope(self.overrides.own_policy(path, module), cast.compute_dtype):
                     if recompute:
                         bias = matmul.Bias()  # a norm: nothing left to add
-                        out = self._recomputed(module, cast, args, kwargs)
+                        out = self._recomputed(module, cast, outer.compute_dtype, args, kwargs)
                     else:
                         with _layer_casting_inside(out_dtype) as bias:
                             out = next_fun(
@@ -171,11 +171,13 @@ class MixedPrecisionModule:
 
         return intercept
 
-    def _recomputed(self, module: nn.Module, cast: Policy, args: tuple, kwargs: dict) -> Any:
-        """A float32 normalisation layer inside a half-precision model, called so that the
-        backward pass keeps only its half-precision input (`_flax_layers.recomputed`): its
-        float32 computation is redone there. The layer runs as Flax wrote it, on its own
-        variables, and writes back the state it updates (BatchNorm's batch statistics)."""
+    def _recomputed(
+        self, module: nn.Module, cast: Policy, back_to: Any, args: tuple, kwargs: dict
+    ) -> Any:
+        """A float32 normalisation layer inside a half-precision model (`_flax_layers.recomputed`:
+        its output handed back in `back_to`, only its half input kept for the backward pass).
+        The layer runs as Flax wrote it, on its own variables, and writes back the state it
+        updates (BatchNorm's batch statistics)."""
         clone = module.clone(parent=None)
         variables = dict(module.variables)
         mutable = [c for c in variables if c != "params" and module.is_mutable_collection(c)]
@@ -183,14 +185,12 @@ class MixedPrecisionModule:
         def call(variables, *args, **kwargs):
             self._as_written = True
             try:
-                return clone.apply(variables, *args, mutable=mutable or False, **kwargs)
+                out = clone.apply(variables, *args, mutable=mutable or False, **kwargs)
             finally:
                 self._as_written = False
+            return out if mutable else (out, {})
 
-        out = recomputed(call, cast, variables, args, kwargs)
-        if not mutable:
-            return out
-        out, updated = out
+        out, updated = recomputed(call, cast, variables, args, kwargs, back_to)
         for collection, values in updated.items():
             for name, value in values.items():
                 module.put_variable(collection, name, value)

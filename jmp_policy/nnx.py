@@ -103,7 +103,8 @@ def _subclass(cls: type, role: str) -> type:
                 for name in self._jmp_policy_scope:
                     scopes.enter_context(jax.named_scope(name))
                 if island is not None:
-                    return _recomputed(self, base, island, args, kwargs)
+                    cast, back_to = island
+                    return _recomputed(self, base, cast, back_to, args, kwargs)
                 if out_dtype is None:
                     return base.__call__(self, *args, **kwargs)
                 # A layer that casts its weights inside its matmul (`jmp_policy.matmul`): its
@@ -247,7 +248,9 @@ def mixed_precision(
             and island.compute_dtype == jnp.float32
             and outer.compute_dtype != jnp.float32
         )
-        object.__setattr__(module, "_jmp_policy_recompute", island if recompute else None)
+        object.__setattr__(
+            module, "_jmp_policy_recompute", (island, outer.compute_dtype) if recompute else None
+        )
         at_use = at_use or (
             reduce_dtype is not None
             and out_dtype is None
@@ -274,10 +277,12 @@ def mixed_precision(
     return model
 
 
-def _recomputed(module: nnx.Module, base: type, cast: Policy, args: tuple, kwargs: dict) -> Any:
-    """`base.__call__(module, ...)` as `_flax_layers.recomputed` runs a float32 island: the
-    backward pass keeps the half-precision input and redoes the float32 computation. The
-    module's state (BatchNorm's `BatchStat`s) is updated as the call left it."""
+def _recomputed(
+    module: nnx.Module, base: type, cast: Policy, back_to: Any, args: tuple, kwargs: dict
+) -> Any:
+    """`base.__call__(module, ...)` as `_flax_layers.recomputed` runs a float32 normalisation
+    layer: its output handed back in `back_to`, only its half input kept for the backward
+    pass. The module's state (BatchNorm's `BatchStat`s) is updated as the call left it."""
     graphdef, state = nnx.split(module)
 
     def call(state, *args, **kwargs):
@@ -285,7 +290,7 @@ def _recomputed(module: nnx.Module, base: type, cast: Policy, args: tuple, kwarg
         out = base.__call__(inner, *args, **kwargs)
         return out, nnx.state(inner, nnx.Not(nnx.Param))  # the forward pass changes no weight
 
-    out, updated = recomputed(call, cast, state, args, kwargs)
+    out, updated = recomputed(call, cast, state, args, kwargs, back_to)
     nnx.update(module, updated)
     return out
 

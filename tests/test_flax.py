@@ -303,13 +303,16 @@ def test_apply_without_init_with_flags_and_callables():
         capture_intermediates=lambda mdl, method: isinstance(mdl, nn.BatchNorm),
     )
     assert logits.dtype == F32
-    # BatchNorm (an island) ran in float32 although this call never went through init.
-    assert {a.dtype for a in jax.tree.leaves(inter["intermediates"])} == {F32}
+    # BatchNorm (an island) ran in float32 although this call never went through init, and
+    # handed its output back in the model's compute dtype (as Flax's own dtype= layers do).
+    assert {a.dtype for a in jax.tree.leaves(inter["intermediates"])} == {jnp.dtype(jnp.float16)}
     jaxpr = jax.make_jaxpr(lambda v: mixed.apply(v, x, train=False))(variables)
     convs = [e for e in iter_equations(jaxpr) if e.primitive.name == "conv_general_dilated"]
     assert convs and all(
         {v.aval.dtype for v in e.invars} == {jnp.dtype(jnp.float16)} for e in convs
     )
+    norms = [e for e in iter_equations(jaxpr) if e.primitive.name == "rsqrt"]
+    assert len(norms) == 2 and {e.outvars[0].aval.dtype for e in norms} == {F32}
 
 
 # --- Lifted transforms and stacked layers (real deep-model layouts) -------------

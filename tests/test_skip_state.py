@@ -219,6 +219,68 @@ def test_nnx_forward_overflow_keeps_batch_stats_and_rng_counts():
     assert _all_finite(state()) and np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
+class _ScanBlock(nnx.Module):
+    """A layer of Flax's NNX scan-over-layers example: Linear, BatchNorm, Dropout, gelu."""
+
+    def __init__(self, dim, *, rngs):
+        self.linear = nnx.Linear(dim, dim, rngs=rngs)
+        self.bn = nnx.BatchNorm(dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.gelu(self.dropout(self.bn(self.linear(x))))
+
+
+class _ScanMLP(nnx.Module):
+    """Its model: the layers made with `nnx.vmap` (`nnx.split_rngs`), run by `nnx.scan`."""
+
+    def __init__(self, dim, *, n_layers, rngs):
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(axis_size=n_layers)
+        def create_block(rngs):
+            return _ScanBlock(dim, rngs=rngs)
+
+        self.layers = create_block(rngs)
+
+    def __call__(self, x):
+        @nnx.scan
+        def scan_fn(x, block):
+            return block(x), None
+
+        return scan_fn(x, self.layers)[0]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_nnx_scan_over_layers_with_a_float32_batchnorm_trains_and_skips_bit_for_bit(policy):
+    # The BatchNorm island hands its output back in the compute dtype, so nnx.scan's carry
+    # keeps its type (it raised "carry input and carry output must have equal types").
+    model = jmp.nnx.mixed_precision(_ScanMLP(10, n_layers=5, rngs=nnx.Rngs(0)), policy)
+    optimizer = nnx.Optimizer(
+        model, jmp.loss_scaling(optax.sgd(0.05), jmp.DynamicLossScale(2.0**15)), wrt=nnx.Param
+    )
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        with jmp.nnx.revert_if_skipped(model, optimizer):
+            loss, grads = jmp.value_and_scaled_grad(
+                lambda m: jnp.mean((m(x) - y) ** 2), grad_fn=nnx.value_and_grad
+            )(optimizer, model)
+            optimizer.update(model, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(0), (16, 10))
+    y = jnp.sin(x)
+    losses = [float(train_step(model, optimizer, x, y)) for _ in range(20)]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    inner = lambda: jmp.find_loss_scaling_state(optimizer).inner_state  # noqa: E731
+    state = lambda: nnx.state(model, nnx.Not(nnx.Param))  # noqa: E731
+    before = _copy((nnx.state(model, nnx.Param), inner(), state()))
+    assert len(jax.tree.leaves(nnx.state(model, nnx.BatchStat))) == 2  # mean, var of 5 layers
+    train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
+    assert bool(jmp.find_loss_scaling_state(optimizer).last_step_skipped)
+    _assert_same(before, (nnx.state(model, nnx.Param), inner(), state()))
+
+
 def test_unless_skipped_needs_the_same_structure_and_a_loss_scaling_state():
     tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**10))
     opt_state = tx.init({"w": jnp.ones(2)})
