@@ -82,6 +82,7 @@ from jmp_policy.low_precision import LowPrecisionState, low_precision_optimizer,
 from jmp_policy.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from jmp_policy.scaled_grad import value_and_scaled_grad
 from jmp_policy.transform import (
+    SKIP_CAUSES,
     LeafFlags,
     LossScalingState,
     LossScalingWarning,
@@ -124,6 +125,7 @@ __all__ = (
     "LossScale",
     "LossScalingReport",
     "LossScalingState",
+    "SKIP_CAUSES",
     "LossScalingWarning",
     "LowPrecisionState",
     "NoOpLossScale",

@@ -16,7 +16,7 @@ import numpy as np
 
 from jmp_policy.census import PrecisionWarning
 from jmp_policy.loss_scale import DynamicLossScale
-from jmp_policy.transform import find_loss_scaling_state, host_value
+from jmp_policy.transform import SKIP_CAUSES, find_loss_scaling_state, host_value
 
 UNSCALED_HINT_SCALE = 2.0**24
 """A dynamic scale past this (Apex's cap) with no overflow ever: the gradients were not scaled."""
@@ -46,6 +46,10 @@ class LossScalingReport:
         "underflow", "overflow", "headroom"}}` (headroom: doublings of the loss scale
         left before that leaf overflows); None when not collected (yet).
       stats_step: the step they were collected at (None when not collected).
+      skip_causes: skipped steps by cause, `{cause: count}` for each of
+        `jmp_policy.SKIP_CAUSES` ("non-finite loss", "non-finite gradients").
+      last_skip_cause: the latest skipped step's cause, or None before any skip. While the
+        latest step was skipped, `str()` says the cause in words with its fix.
       hint: a likely misuse read from these figures, or None. A dynamic scale past 2^24
         (Apex's cap) that has never overflowed means the gradients did not come from the
         scaled loss: `str()` then says so and points to `value_and_scaled_grad`. A scale at
@@ -63,12 +67,20 @@ class LossScalingReport:
     gradient_stats: dict[str, dict[str, float]] | None = None
     stats_step: int | None = None
     hint: str | None = None
+    skip_causes: dict[str, int] = dataclasses.field(default_factory=dict)
+    last_skip_cause: str | None = None
 
     def __str__(self) -> str:
         text = (
             f"loss scale {self.loss_scale:g}; applied {self.applied_steps}, skipped "
             f"{self.skipped_steps} (current run {self.nonfinite_run})"
         )
+        counted = {cause: n for cause, n in self.skip_causes.items() if n}
+        if counted and set(counted) != {"non-finite gradients"}:
+            text += " by cause: " + ", ".join(f"{cause} {n}" for cause, n in counted.items())
+        if self.last_step_skipped and self.last_skip_cause in _FIXES:
+            text += f"; the last step was skipped for {self.last_skip_cause}: "
+            text += _FIXES[self.last_skip_cause]
         if self.last_step_skipped and self.nonfinite_paths:
             shown = ", ".join(self.nonfinite_paths[:5])
             more = len(self.nonfinite_paths) - 5
@@ -85,6 +97,21 @@ class LossScalingReport:
         if self.hint:
             text += f". {self.hint}"
         return text
+
+
+_FIXES = {
+    "non-finite loss": (
+        "the loss itself was inf or NaN (an inf or NaN in the batch or the targets, or a "
+        "forward pass past the compute dtype's range), which no loss scale cures, so the "
+        "scale was left as it was. Check the batch; for a forward overflow, "
+        "jmp_policy.debug_precision(loss_fn, params, batch) names the first non-finite "
+        "operation, to keep in float32 (overrides, jmp_policy.full_precision)"
+    ),
+    "non-finite gradients": (
+        "the scaled gradients overflowed, which backing off the scale cures (normal now "
+        "and then; a loss not passed to update as value=loss counts here too)"
+    ),
+}
 
 
 def loss_scaling_report(opt_state: Any) -> LossScalingReport:
@@ -105,8 +132,11 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
       >>> state = tx.init(params)
       >>> grads = {"fc": {"w": jnp.array([1.0, jnp.nan])}, "b": jnp.ones(1)}
       >>> _, state = tx.update(grads, state, params)
-      >>> print(jmp.loss_scaling_report(state))
-      loss scale 2; applied 0, skipped 1 (current run 1); last non-finite gradients in ['fc']['w']
+      >>> print(jmp.loss_scaling_report(state))  # doctest: +NORMALIZE_WHITESPACE
+      loss scale 2; applied 0, skipped 1 (current run 1); the last step was skipped for
+      non-finite gradients: the scaled gradients overflowed, which backing off the scale cures
+      (normal now and then; a loss not passed to update as value=loss counts here too); last
+      non-finite gradients in ['fc']['w']
     """
     state = find_loss_scaling_state(opt_state)
     scale = state.loss_scale
@@ -144,6 +174,12 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
         gradient_stats=gradient_stats,
         stats_step=stats_step,
         hint=hint,
+        skip_causes=dict(
+            zip(SKIP_CAUSES, (int(n) for n in host_value(state.skip_causes)), strict=True)
+        ),
+        last_skip_cause=(
+            SKIP_CAUSES[cause - 1] if (cause := int(host_value(state.last_skip_cause))) else None
+        ),
     )
 
 

@@ -33,7 +33,8 @@ def value_and_scaled_grad(
     a float16 loss does not overflow), and returns:
 
     - `value`: `fun`'s own value, unscaled (`(loss, aux)` with `has_aux`), for
-      logging;
+      logging, and for `tx.update(grads, opt_state, params, value=loss)`, which then
+      tells a non-finite loss from overflowing gradients (`SKIP_CAUSES`);
     - `grads`: the gradients of the scaled loss with respect to `args[argnums]`,
       exactly what `tx.update(grads, opt_state, params)` expects.
 

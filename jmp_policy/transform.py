@@ -25,7 +25,7 @@ from jmp_policy._compat import pure
 from jmp_policy._pytree import register_state
 from jmp_policy._validation import warn_at_user_line, whole_number
 from jmp_policy.debugger import GradientStats, empty_gradient_stats, gradient_stats
-from jmp_policy.finite import unscaled_leaf_finite
+from jmp_policy.finite import agree, unscaled_leaf_finite
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -100,6 +100,12 @@ class LossScalingState(NamedTuple):
         by-product of the finite check itself (which works per leaf), so it
         costs no extra pass over the gradients. Read it with
         `nonfinite_leaves.paths()`, `.tree()`, or `jmp_policy.loss_scaling_report`.
+      skip_causes: skipped steps by cause (int32, saturating), indexed by
+        `SKIP_CAUSES`: [non-finite loss, non-finite gradients of a finite loss]. A
+        step whose `update` was not given the loss (`value=loss`) counts its
+        non-finite gradients as the second.
+      last_skip_cause: the most recent skipped step's cause, 1 + its index in
+        `SKIP_CAUSES` (int32); 0 until a step is skipped.
       gradient_stats: with `loss_scaling(..., stats_every=N)`, the `GradientStats` of the
         scaled gradients, collected every N steps; None otherwise.
     """
@@ -111,7 +117,20 @@ class LossScalingState(NamedTuple):
     nonfinite_run: jax.Array  # shape=(), dtype=jnp.int32
     last_step_skipped: jax.Array  # shape=(), dtype=jnp.bool_
     nonfinite_leaves: LeafFlags  # one bool per parameter leaf, packed
+    skip_causes: jax.Array  # shape=(len(SKIP_CAUSES),), dtype=jnp.int32
+    last_skip_cause: jax.Array  # shape=(), dtype=jnp.int32
     gradient_stats: GradientStats | None = None
+
+
+SKIP_CAUSES = ("non-finite loss", "non-finite gradients")
+"""Why `loss_scaling` skipped a step (`LossScalingState.skip_causes` counts them in this order):
+
+- "non-finite loss": the loss itself was inf or NaN (an inf in the batch, a NaN target, a
+  forward pass past the compute dtype's range). No loss scale cures it, so the scale is left
+  as it was. Known only when `update` is given the loss (`value=loss`).
+- "non-finite gradients": the loss was finite (or not given) and its scaled gradients
+  overflowed: the loss scale's doing, cured by backing it off.
+"""
 
 
 class LossScalingWarning(UserWarning):
@@ -226,6 +245,15 @@ def loss_scaling(
     Then the loss scale is adjusted (grown or backed off). The scale used for
     unscaling is always the one the loss was scaled with.
 
+    Given the loss too, `update(scaled_grads, state, params, value=loss)` (the way
+    optax passes it to transforms that need it; `nnx.Optimizer.update(model, grads,
+    value=loss)` passes it on), a step whose loss is inf or NaN is skipped as well,
+    and the scale is left as it was: no scale cures a non-finite loss (an inf in
+    the batch, a NaN target, a forward overflow), and backing off would drive it
+    toward its floor. The state counts skips by cause (`SKIP_CAUSES`) and
+    `loss_scaling_report` says each one's fix. The loss goes on to `inner` as
+    `value` (`optax.contrib.reduce_on_plateau` takes it).
+
     The check is exact and reads the scaled gradients once: every leaf's
     largest magnitude (one reduction per distinct leaf shape), divided by the
     scale. Dividing by S > 0 keeps the order of the values, so a leaf's
@@ -313,6 +341,8 @@ def loss_scaling(
             nonfinite_leaves=LeafFlags(
                 jnp.zeros(len(jax.tree.leaves(params)), jnp.bool_), jax.tree.structure(params)
             ),
+            skip_causes=jnp.zeros(len(SKIP_CAUSES), jnp.int32),
+            last_skip_cause=jnp.zeros((), jnp.int32),
             gradient_stats=(
                 None
                 if stats_every is None
@@ -320,7 +350,7 @@ def loss_scaling(
             ),
         )
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(updates, state, params=None, value=None, **extra_args):
         _check_state(state)
         loss_scale = state.loss_scale
         if not checked:  # once: at the first trace (or eager call) of this optimizer's update
@@ -331,7 +361,16 @@ def loss_scaling(
                 _warn_if_gradients_unscaled(loss_scale)
         old_flags = state.nonfinite_leaves
         leaf_finite = unscaled_leaf_finite(updates, loss_scale, axis_name)
-        finite = leaf_finite.all()
+        # The loss, where given (`value=loss`, as optax passes it to transforms that need it):
+        # a non-finite one is a skip no scale cures. Agreed across devices as the gradients are.
+        loss_finite = (
+            jnp.ones((), jnp.bool_)
+            if value is None
+            else agree(jnp.all(jnp.isfinite(jnp.asarray(value))), axis_name)
+        )
+        finite = leaf_finite.all() & loss_finite
+        if value is not None:
+            extra_args = {**extra_args, "value": value}  # for an inner transform that takes it
 
         def apply(grads, inner_state):
             new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
@@ -351,8 +390,16 @@ def loss_scaling(
                 lambda: gradient_stats(updates, judged_in, step),
                 lambda: stats,
             )
+        # 1: a non-finite loss, 2: non-finite gradients of a finite loss (`SKIP_CAUSES`).
+        cause = jnp.where(finite, 0, jnp.where(loss_finite, 2, 1)).astype(jnp.int32)
+        counted = jnp.arange(1, len(SKIP_CAUSES) + 1) == cause
+        # A non-finite loss leaves the scale as it was: backing off would not cure it, and
+        # would drive the scale toward its floor, where small gradients underflow.
+        adjusted = loss_scale.adjust(finite)
         new_state = LossScalingState(
-            loss_scale=loss_scale.adjust(finite),
+            loss_scale=jax.tree.map(
+                lambda new, old: jnp.where(loss_finite, new, old), adjusted, loss_scale
+            ),
             inner_state=inner_state,
             applied_steps=jnp.where(
                 finite, optax.safe_int32_increment(state.applied_steps), state.applied_steps
@@ -365,6 +412,10 @@ def loss_scaling(
             nonfinite_leaves=dataclasses.replace(
                 old_flags, flags=jnp.where(finite, old_flags.flags, ~leaf_finite)
             ),
+            skip_causes=jnp.where(
+                counted, optax.safe_int32_increment(state.skip_causes), state.skip_causes
+            ),
+            last_skip_cause=jnp.where(finite, state.last_skip_cause, cause),
             gradient_stats=stats,
         )
         return new_updates, new_state

@@ -15,7 +15,8 @@ def test_report_fields_and_log_line():
     state = tx.init(params)
     step = jax.jit(tx.update)
     report = jmp.loss_scaling_report(state)
-    assert report == jmp.LossScalingReport(16.0, 0, 0, 0, False, False, ())
+    causes = {"non-finite loss": 0, "non-finite gradients": 0}
+    assert report == jmp.LossScalingReport(16.0, 0, 0, 0, False, False, (), skip_causes=causes)
     good = jax.tree.map(jnp.ones_like, params)
     for _ in range(2):
         _, state = step(good, state, params)
@@ -27,8 +28,10 @@ def test_report_fields_and_log_line():
     assert report.loss_scale == 16.0  # grew to 32 after 2 clean steps, halved on the skip
     assert report.last_step_skipped and report.nonfinite_paths == ("['b']['c']",)
     assert str(report) == (
-        "loss scale 16; applied 2, skipped 1 (current run 1); "
-        "last non-finite gradients in ['b']['c']"
+        "loss scale 16; applied 2, skipped 1 (current run 1); the last step was skipped for "
+        "non-finite gradients: the scaled gradients overflowed, which backing off the scale "
+        "cures (normal now and then; a loss not passed to update as value=loss counts here "
+        "too); last non-finite gradients in ['b']['c']"
     )
     _, state = step(good, state, params)
     report = jmp.loss_scaling_report(state)

@@ -1,0 +1,104 @@
+"""Every skipped step has a cause, recorded in the state and said by the report (issue 53).
+
+A CNN with BatchNorm under `linen.mixed_precision("mixed_float16")`, trained with the loss passed
+to `update` (`value=loss`): each planted cause is recorded, the scale backs off only for a
+gradient overflow, and parameters, optimizer state and batch statistics stay bit for bit.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from models import CNN
+
+import jmp_policy as jmp
+
+X = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
+TARGETS = jax.nn.one_hot(jnp.arange(8) % 4, 4)
+MODEL = jmp.linen.mixed_precision(CNN(), jmp.get_policy("mixed_float16"))
+VARIABLES = MODEL.init(jax.random.key(1), X)
+
+
+def _train(scale):
+    tx = jmp.loss_scaling(optax.sgd(1e-2, momentum=0.9), jmp.DynamicLossScale(scale))
+
+    def loss_fn(params, batch_stats, x, targets):
+        logits, updates = MODEL.apply(
+            {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
+        )
+        return optax.softmax_cross_entropy(logits, targets).mean(), updates["batch_stats"]
+
+    @jax.jit
+    def step(params, batch_stats, opt_state, x, targets):
+        (loss, new_stats), grads = jmp.value_and_scaled_grad(loss_fn, has_aux=True)(
+            opt_state, params, batch_stats, x, targets
+        )
+        updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+        params = optax.apply_updates(params, updates)
+        return params, jmp.unless_skipped(opt_state, new_stats, batch_stats), opt_state
+
+    return tx.init(VARIABLES["params"]), step
+
+
+CAUSES = {
+    "an inf in the batch": (2.0**10, X.at[0, 0, 0, 0].set(jnp.inf), TARGETS, "non-finite loss"),
+    "a NaN target": (2.0**10, X, TARGETS.at[3, 1].set(jnp.nan), "non-finite loss"),
+    "a forward overflow": (2.0**10, X * 1e5, TARGETS, "non-finite loss"),
+    "a gradient overflow at a huge scale": (2.0**30, X, TARGETS, "non-finite gradients"),
+}
+
+
+@pytest.mark.parametrize("planted", CAUSES)
+def test_each_cause_is_recorded_and_keeps_every_state(planted):
+    scale, x, targets, cause = CAUSES[planted]
+    opt_state, step = _train(scale)
+    params, stats = VARIABLES["params"], VARIABLES["batch_stats"]
+    if cause == "non-finite loss":  # one clean step first: the scale starts a growth count
+        params, stats, opt_state = step(params, stats, opt_state, X, TARGETS)
+    before = jax.tree.map(np.asarray, (params, stats, opt_state))
+    params, stats, opt_state = step(params, stats, opt_state, x, targets)
+    state = jmp.find_loss_scaling_state(opt_state)
+    assert bool(state.last_step_skipped)
+    for a, b in zip(jax.tree.leaves(before[:2]), jax.tree.leaves((params, stats)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    kept = [before[2], opt_state]
+    inner = [jmp.find_loss_scaling_state(s).inner_state for s in kept]
+    for a, b in zip(*map(jax.tree.leaves, inner), strict=True):
+        np.testing.assert_array_equal(a, b)
+    old_scale = jmp.find_loss_scaling_state(before[2]).loss_scale
+    if cause == "non-finite loss":
+        # No scale cures it: the scale and its growth count stay as they were.
+        for a, b in zip(jax.tree.leaves(old_scale), jax.tree.leaves(state.loss_scale), strict=True):
+            np.testing.assert_array_equal(a, b)
+    else:
+        assert float(state.loss_scale.loss_scale) == float(old_scale.loss_scale) / 2
+    report = jmp.loss_scaling_report(opt_state)
+    assert report.last_skip_cause == cause
+    assert report.skip_causes == {c: int(c == cause) for c in jmp.SKIP_CAUSES}
+    assert f"the last step was skipped for {cause}" in str(report)
+    if cause == "non-finite loss":
+        assert "debug_precision" in str(report) and "left as it was" in str(report)
+    else:
+        assert "backing off the scale cures" in str(report)
+
+
+def test_without_the_loss_a_skip_is_counted_as_the_gradients_and_backs_off():
+    # The behaviour before `value=loss`: nothing tells the two causes apart.
+    tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**10))
+    params = {"w": jnp.ones(2)}
+    _, state = jax.jit(tx.update)({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params)
+    assert state.skip_causes.tolist() == [0, 1] and int(state.last_skip_cause) == 2
+    assert float(jmp.get_loss_scale(state).loss_scale) == 2.0**9
+
+
+@pytest.mark.standard_promotion  # reduce_on_plateau mixes int32 and float32
+def test_the_loss_reaches_an_inner_transform_that_takes_it():
+    # optax.contrib.reduce_on_plateau reads `value`: loss_scaling passes it on.
+    inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
+    tx = jmp.loss_scaling(inner, jmp.NoOpLossScale())
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    for loss in (1.0, 2.0, 3.0):
+        updates, state = tx.update({"w": jnp.ones(2)}, state, params, value=jnp.float32(loss))
+    assert float(updates["w"][0]) < -0.0 and float(updates["w"][0]) > -1.0  # reduced
