@@ -304,7 +304,9 @@ def revert_if_skipped(model: nnx.Module, optimizer: nnx.Optimizer) -> Iterator[N
     `loss_scaling` skips leaves the parameters and the optimizer state as they
     were; this leaves every other variable of `model` (all but the
     optimizer's `wrt`) as it was too. A forward pass that overflows writes NaN
-    batch statistics, and kept, they poison every later step.
+    batch statistics, and kept, they poison every later step. The optimizer's
+    `step` (Flax's count of `update` calls) is kept too, so it counts applied
+    steps, as `find_loss_scaling_state(optimizer).applied_steps` does.
 
     Use it inside the jitted step, around the gradient and `optimizer.update`:
     the choice is `jmp_policy.unless_skipped`, a `select` per array, no host sync.
@@ -342,7 +344,11 @@ def revert_if_skipped(model: nnx.Module, optimizer: nnx.Optimizer) -> Iterator[N
     others = nnx.Not(getattr(optimizer, "wrt", nnx.Param))
     # The variables are the model's own (changed in place): keep their values now.
     before = {path: variable_value(v) for path, v in nnx.to_flat_state(nnx.state(model, others))}
+    counter = getattr(optimizer, "step", None)  # Flax's count of `update` calls
+    step = None if counter is None else variable_value(counter)
     yield
+    if counter is not None:  # ...kept on a skip: it counts applied steps
+        set_variable_value(counter, unless_skipped(optimizer, variable_value(counter), step))
     after = dict(nnx.to_flat_state(nnx.state(model, others)))
     # Variables the step created (e.g. sown intermediates) have nothing to go back to.
     paths = [path for path in before if path in after]

@@ -507,7 +507,10 @@ def unless_skipped(opt_state: Any, new: T, old: T) -> T:
 
     Returns:
       `new` when the step was applied, else `old`, leaf by leaf. Leaves that
-      are not arrays (an Equinox module's functions) are taken from `new`.
+      are not arrays (an Equinox module's functions) are taken from `new`, and so
+      is every `loss_scaling` state inside it (the skip, its cause and the scale's
+      move are this step's news): `unless_skipped(new_state, new_state, state)` over
+      a whole Flax `TrainState` keeps its `step`, so `step` counts applied steps.
 
     Raises:
       ValueError: `opt_state` holds no `loss_scaling` state, or `new` and `old`
@@ -524,8 +527,12 @@ def unless_skipped(opt_state: Any, new: T, old: T) -> T:
       {'mean': Array([0., 0.], dtype=float32)}
     """
     skipped = find_loss_scaling_state(opt_state).last_step_skipped
-    new_leaves, treedef = jax.tree.flatten(new)
-    old_leaves, old_treedef = jax.tree.flatten(old)
+
+    def is_state(x: Any) -> bool:
+        return isinstance(x, LossScalingState)
+
+    new_leaves, treedef = jax.tree.flatten(new, is_leaf=is_state)
+    old_leaves, old_treedef = jax.tree.flatten(old, is_leaf=is_state)
     if treedef != old_treedef:
         raise ValueError(
             "Expected `new` and `old` of the same structure (what the step made, and the same "
@@ -533,8 +540,10 @@ def unless_skipped(opt_state: Any, new: T, old: T) -> T:
         )
 
     def keep(n: Any, o: Any) -> Any:
-        if not isinstance(n, (jax.Array, np.ndarray, np.generic)):
-            return n
+        if isinstance(n, bool) or not isinstance(
+            n, (jax.Array, np.ndarray, np.generic, int, float)
+        ):
+            return n  # a function leaf, a flag, or a loss_scaling state
         # A batched state (vmap over ensembles) has a decision per member.
         pick = jnp.reshape(skipped, jnp.shape(skipped) + (1,) * (jnp.ndim(n) - jnp.ndim(skipped)))
         return jnp.where(pick, jnp.asarray(o), jnp.asarray(n))

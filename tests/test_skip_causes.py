@@ -102,3 +102,38 @@ def test_the_loss_reaches_an_inner_transform_that_takes_it():
     for loss in (1.0, 2.0, 3.0):
         updates, state = tx.update({"w": jnp.ones(2)}, state, params, value=jnp.float32(loss))
     assert float(updates["w"][0]) < -0.0 and float(updates["w"][0]) > -1.0  # reduced
+
+
+def test_the_step_counters_count_applied_steps():
+    from flax import nnx
+    from flax.training import train_state
+
+    tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**10))
+    state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+
+    @jax.jit
+    def step(state, grads):
+        new = state.apply_gradients(grads=grads)
+        return jmp.unless_skipped(new, new, state)  # the whole TrainState, step included
+
+    for grads in ([1.0, 1.0], [jnp.inf, 1.0], [1.0, 1.0]):
+        state = step(state, {"w": jnp.array(grads)})
+    report = jmp.loss_scaling_report(state)
+    assert int(state.step) == report.applied_steps == 2 and report.skipped_steps == 1
+    assert report.loss_scale == 2.0**9  # the skip's back-off was kept, not undone
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def nnx_step(model, optimizer, x):
+        with jmp.nnx.revert_if_skipped(model, optimizer):
+            _, grads = jmp.value_and_scaled_grad(
+                lambda m: jnp.sum(m(x) ** 2), grad_fn=nnx.value_and_grad
+            )(optimizer, model)
+            optimizer.update(model, grads)
+
+    for x in ([[1.0, 1.0]], [[jnp.inf, 1.0]], [[1.0, 1.0]]):
+        nnx_step(model, optimizer, jnp.array(x))
+    assert int(optimizer.step[...]) == 2
+    assert jmp.loss_scaling_report(optimizer).applied_steps == 2
