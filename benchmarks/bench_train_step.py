@@ -83,6 +83,22 @@ def loss_scaling_variant(jmp_module, optimizer, loss):
     return tx.init, step
 
 
+def spike_skipping_variant(optimizer, loss, skip_spikes=None):
+    """`loss_scaling_variant` with the loss passed to `update` (`value=loss`) and, with
+    `skip_spikes`, spike skipping on (`jmp_policy.SkipSpikes`)."""
+    tx = jmp_policy.loss_scaling(
+        optimizer, jmp_policy.DynamicLossScale(INITIAL_SCALE), skip_spikes=skip_spikes
+    )
+
+    def step(params, opt_state, extra, batch):
+        scale = jmp_policy.get_loss_scale(opt_state)
+        grads, extra, value = scaled_loss_grad(loss, scale, params, extra, batch)
+        updates, opt_state = tx.update(grads, opt_state, params, value=value)
+        return optax.apply_updates(params, updates), opt_state, extra
+
+    return tx.init, step
+
+
 def variants(optimizer, loss):
     """name -> (init(params) -> state, step(params, state, extra, batch) -> (params, state, extra))."""
     grad = jax.grad(loss, has_aux=True)

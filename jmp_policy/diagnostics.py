@@ -107,6 +107,12 @@ _FIXES = {
         "jmp_policy.debug_precision(loss_fn, params, batch) names the first non-finite "
         "operation, to keep in float32 (overrides, jmp_policy.full_precision)"
     ),
+    "spike": (
+        "its loss or global gradient norm jumped far above the running mean "
+        "(loss_scaling(..., skip_spikes=SkipSpikes(...))); the scale was left as it was, and "
+        "after max_run spikes in a row the next step is taken. Many spikes: look at the "
+        "data order and the learning rate, or raise SkipSpikes.factor"
+    ),
     "non-finite gradients": (
         "the scaled gradients overflowed, which backing off the scale cures (normal now "
         "and then; a loss not passed to update as value=loss counts here too)"

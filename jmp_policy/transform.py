@@ -9,6 +9,7 @@ and leaves the inner state exactly as it was), and only then adjusts S.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Hashable
 from typing import Any, NamedTuple, TypeVar
@@ -108,6 +109,8 @@ class LossScalingState(NamedTuple):
         `SKIP_CAUSES` (int32); 0 until a step is skipped.
       gradient_stats: with `loss_scaling(..., stats_every=N)`, the `GradientStats` of the
         scaled gradients, collected every N steps; None otherwise.
+      spike_stats: with `loss_scaling(..., skip_spikes=SkipSpikes())`, the running means
+        spikes are judged against (`SpikeStats`); None otherwise.
     """
 
     loss_scale: LossScale
@@ -120,9 +123,10 @@ class LossScalingState(NamedTuple):
     skip_causes: jax.Array  # shape=(len(SKIP_CAUSES),), dtype=jnp.int32
     last_skip_cause: jax.Array  # shape=(), dtype=jnp.int32
     gradient_stats: GradientStats | None = None
+    spike_stats: SpikeStats | None = None
 
 
-SKIP_CAUSES = ("non-finite loss", "non-finite gradients")
+SKIP_CAUSES = ("non-finite loss", "non-finite gradients", "spike")
 """Why `loss_scaling` skipped a step (`LossScalingState.skip_causes` counts them in this order):
 
 - "non-finite loss": the loss itself was inf or NaN (an inf in the batch, a NaN target, a
@@ -130,7 +134,66 @@ SKIP_CAUSES = ("non-finite loss", "non-finite gradients")
   as it was. Known only when `update` is given the loss (`value=loss`).
 - "non-finite gradients": the loss was finite (or not given) and its scaled gradients
   overflowed: the loss scale's doing, cured by backing it off.
+- "spike": with `loss_scaling(..., skip_spikes=SkipSpikes())`, a finite loss or global
+  gradient norm far above its running mean (`SkipSpikes`). The scale is left as it was.
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipSpikes:
+    """Spike skipping for `loss_scaling(..., skip_spikes=SkipSpikes(...))` (off by default).
+
+    After `warmup` applied steps, a step is skipped, by the same decision that skips a
+    non-finite one (parameters, optimizer state and, through `unless_skipped`, model state
+    kept), when its loss (given to `update` as `value=loss`) or the global norm of its
+    unscaled gradients exceeds `factor` times its running mean. The means are exponential
+    moving averages (`decay`) of applied steps only, so a spike never teaches the statistics.
+    After `max_run` spike skips in a row the next step is taken and the means start again
+    from it, so a real change of regime (a new data mixture, a learning-rate jump) does not
+    stall training. The loss scale does
+    not back off for a spike. Losses are compared as they are: use it with a positive loss
+    (cross-entropy, squared error), or compare the gradient norm alone (no `value`).
+
+    Attributes:
+      factor: how many times the running mean a value must exceed to be a spike (> 1).
+      warmup: applied steps before any step is judged (>= 1).
+      max_run: spike skips in a row after which the next step is taken (>= 1).
+      decay: the running means' decay per applied step, in (0, 1).
+
+    Raises:
+      ValueError: a value outside the ranges above; TypeError: not a number.
+    """
+
+    factor: float = 10.0
+    warmup: int = 100
+    max_run: int = 5
+    decay: float = 0.99
+
+    def __post_init__(self):
+        for name, low, high in (("factor", 1.0, math.inf), ("decay", 0.0, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"Expected a number for `{name}`, got {value!r}.")
+            if not low < value < high:
+                raise ValueError(f"Expected `{name}` in ({low:g}, {high:g}), got {value!r}.")
+        whole_number(self.warmup, "warmup", low=1)
+        whole_number(self.max_run, "max_run", low=1)
+
+
+class SpikeStats(NamedTuple):
+    """The running statistics of `SkipSpikes`, in `LossScalingState.spike_stats`.
+
+    Attributes:
+      loss_mean: running mean of the applied steps' losses (float32; 0 before the first).
+      norm_mean: running mean of the applied steps' global gradient norms (float32).
+      seen: applied steps the means have learnt from (int32, saturating).
+      run: spike skips in a row (int32).
+    """
+
+    loss_mean: jax.Array
+    norm_mean: jax.Array
+    seen: jax.Array
+    run: jax.Array
 
 
 class LossScalingWarning(UserWarning):
@@ -229,6 +292,7 @@ def loss_scaling(
     axis_name: Hashable | None = None,
     stats_every: int | None = None,
     stats_dtype: DTypeLike = "float16",
+    skip_spikes: SkipSpikes | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` so it consumes gradients of a loss scaled by `loss_scale`.
 
@@ -275,6 +339,9 @@ def loss_scaling(
         `cond`, so there is no host sync and other steps do no extra work. None
         (the default): nothing is collected and the step is unchanged.
       stats_dtype: the dtype the scaled gradients are judged against.
+      skip_spikes: a `SkipSpikes`: also skip steps whose loss or global gradient norm
+        jumps far above its running mean (cause "spike"). None (the default): off, and
+        the step does no extra work.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -313,6 +380,11 @@ def loss_scaling(
         )
     if stats_every is not None:
         stats_every = whole_number(stats_every, "stats_every", low=1)
+    if skip_spikes is not None and not isinstance(skip_spikes, SkipSpikes):
+        raise TypeError(
+            "Expected a jmp_policy.SkipSpikes (e.g. SkipSpikes(factor=10.0)) or None for "
+            f"`skip_spikes`, got {type(skip_spikes).__name__}."
+        )
     try:
         judged_in = jnp.dtype(stats_dtype)
     except TypeError:
@@ -348,6 +420,16 @@ def loss_scaling(
                 if stats_every is None
                 else empty_gradient_stats(len(jax.tree.leaves(params)), judged_in)
             ),
+            spike_stats=(
+                None
+                if skip_spikes is None
+                else SpikeStats(
+                    jnp.zeros((), jnp.float32),
+                    jnp.zeros((), jnp.float32),
+                    jnp.zeros((), jnp.int32),
+                    jnp.zeros((), jnp.int32),
+                )
+            ),
         )
 
     def update_fn(updates, state, params=None, value=None, **extra_args):
@@ -371,6 +453,13 @@ def loss_scaling(
         finite = leaf_finite.all() & loss_finite
         if value is not None:
             extra_args = {**extra_args, "value": value}  # for an inner transform that takes it
+        spikes = state.spike_stats
+        spike = jnp.zeros((), jnp.bool_)
+        if skip_spikes is not None and spikes is not None:
+            spike, spikes = _judge_spike(
+                skip_spikes, spikes, finite, loss_scale, updates, value, axis_name
+            )
+        applied = finite & ~spike
 
         def apply(grads, inner_state):
             new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
@@ -380,8 +469,8 @@ def loss_scaling(
         # their buffers): measured faster to compile and run than unscaling in
         # the cond's first pass, with the same temp memory.
         grads = loss_scale.unscale(updates)
-        new_updates, inner_state = _run_if_finite(finite, apply, grads, state.inner_state)
-        skipped = ~finite
+        new_updates, inner_state = _run_if_finite(applied, apply, grads, state.inner_state)
+        skipped = ~applied
         stats = state.gradient_stats
         if stats_every is not None and stats is not None:
             step = state.applied_steps + state.skipped_steps
@@ -390,19 +479,22 @@ def loss_scaling(
                 lambda: gradient_stats(updates, judged_in, step),
                 lambda: stats,
             )
-        # 1: a non-finite loss, 2: non-finite gradients of a finite loss (`SKIP_CAUSES`).
-        cause = jnp.where(finite, 0, jnp.where(loss_finite, 2, 1)).astype(jnp.int32)
+        # 1: a non-finite loss, 2: non-finite gradients of a finite loss, 3: a spike.
+        cause = jnp.where(applied, 0, jnp.where(~loss_finite, 1, jnp.where(finite, 3, 2))).astype(
+            jnp.int32
+        )
         counted = jnp.arange(1, len(SKIP_CAUSES) + 1) == cause
-        # A non-finite loss leaves the scale as it was: backing off would not cure it, and
-        # would drive the scale toward its floor, where small gradients underflow.
+        # A non-finite loss or a spike leaves the scale as it was: backing off would not cure
+        # it, and would drive the scale toward its floor, where small gradients underflow.
         adjusted = loss_scale.adjust(finite)
+        moves = loss_finite & ~spike
         new_state = LossScalingState(
             loss_scale=jax.tree.map(
-                lambda new, old: jnp.where(loss_finite, new, old), adjusted, loss_scale
+                lambda new, old: jnp.where(moves, new, old), adjusted, loss_scale
             ),
             inner_state=inner_state,
             applied_steps=jnp.where(
-                finite, optax.safe_int32_increment(state.applied_steps), state.applied_steps
+                applied, optax.safe_int32_increment(state.applied_steps), state.applied_steps
             ),
             skipped_steps=jnp.where(
                 skipped, optax.safe_int32_increment(state.skipped_steps), state.skipped_steps
@@ -415,13 +507,49 @@ def loss_scaling(
             skip_causes=jnp.where(
                 counted, optax.safe_int32_increment(state.skip_causes), state.skip_causes
             ),
-            last_skip_cause=jnp.where(finite, state.last_skip_cause, cause),
+            last_skip_cause=jnp.where(applied, state.last_skip_cause, cause),
             gradient_stats=stats,
+            spike_stats=spikes,
         )
         return new_updates, new_state
 
     # LossScalingState is an optax state (a pytree); optax's aliases do not say so.
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def _judge_spike(config, stats, finite, loss_scale, scaled_grads, value, axis_name):
+    """Whether this step is a spike (`SkipSpikes`), and the statistics after it: learnt from
+    the step only when it is applied. The same decision on every device of `axis_name`."""
+    norm = (optax.tree.norm(scaled_grads) / loss_scale.loss_scale).astype(jnp.float32)
+    loss = (
+        jnp.zeros((), jnp.float32)
+        if value is None
+        else jnp.asarray(value).astype(jnp.float32).reshape(())
+    )
+    if axis_name is not None:  # per-device gradients: the statistics of the whole batch
+        norm, loss = lax.pmean(norm, axis_name), lax.pmean(loss, axis_name)
+    warm = stats.seen >= config.warmup
+    above = norm > config.factor * stats.norm_mean
+    if value is not None:
+        above = above | (loss > config.factor * stats.loss_mean)
+    # A spike on any device is a spike on every device.
+    jump = ~agree(~(warm & above & finite), axis_name)
+    spike = jump & (stats.run < config.max_run)
+    applied = finite & ~spike
+    # The first step, and a jump taken after `max_run` spikes in a row (a new regime: the
+    # running means start again from it, or every later step would be a spike too).
+    first = (stats.seen == 0) | (jump & ~spike)
+
+    def mean(old, new):
+        return jnp.where(first, new, config.decay * old + (1 - config.decay) * new)
+
+    learnt = SpikeStats(
+        loss_mean=jnp.where(applied, mean(stats.loss_mean, loss), stats.loss_mean),
+        norm_mean=jnp.where(applied, mean(stats.norm_mean, norm), stats.norm_mean),
+        seen=jnp.where(applied, optax.safe_int32_increment(stats.seen), stats.seen),
+        run=jnp.where(spike, stats.run + 1, 0).astype(jnp.int32),
+    )
+    return spike, learnt
 
 
 def _run_if_finite(finite, apply, grads, inner_state):

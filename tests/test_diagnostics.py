@@ -15,7 +15,7 @@ def test_report_fields_and_log_line():
     state = tx.init(params)
     step = jax.jit(tx.update)
     report = jmp.loss_scaling_report(state)
-    causes = {"non-finite loss": 0, "non-finite gradients": 0}
+    causes = {"non-finite loss": 0, "non-finite gradients": 0, "spike": 0}
     assert report == jmp.LossScalingReport(16.0, 0, 0, 0, False, False, (), skip_causes=causes)
     good = jax.tree.map(jnp.ones_like, params)
     for _ in range(2):

@@ -88,7 +88,7 @@ def test_without_the_loss_a_skip_is_counted_as_the_gradients_and_backs_off():
     tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**10))
     params = {"w": jnp.ones(2)}
     _, state = jax.jit(tx.update)({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params)
-    assert state.skip_causes.tolist() == [0, 1] and int(state.last_skip_cause) == 2
+    assert state.skip_causes.tolist() == [0, 1, 0] and int(state.last_skip_cause) == 2
     assert float(jmp.get_loss_scale(state).loss_scale) == 2.0**9
 
 
@@ -137,3 +137,85 @@ def test_the_step_counters_count_applied_steps():
         nnx_step(model, optimizer, jnp.array(x))
     assert int(optimizer.step[...]) == 2
     assert jmp.loss_scaling_report(optimizer).applied_steps == 2
+
+
+# --- Spike skipping --------------------------------------------------------------------------
+
+
+def _spiky(**config):
+    tx = jmp.loss_scaling(
+        optax.sgd(0.1, momentum=0.9),
+        jmp.DynamicLossScale(2.0**4, period=1000),
+        skip_spikes=jmp.SkipSpikes(**{"factor": 10.0, "warmup": 5, "max_run": 3, **config}),
+    )
+    params = {"w": jnp.ones(4), "b": jnp.zeros(2)}
+    return tx, params, tx.init(params), jax.jit(tx.update)
+
+
+def _grads(size, scale=16.0):  # scaled gradients of global norm `size` (unscaled)
+    return {"w": jnp.full(4, size * scale / jnp.sqrt(4.0)), "b": jnp.zeros(2)}
+
+
+@pytest.mark.parametrize("spike", ["loss", "gradient norm"])
+def test_a_10x_spike_is_skipped_without_learning_from_it_or_backing_off(spike):
+    tx, params, state, update = _spiky()
+    for _ in range(8):  # past the warm-up
+        updates, state = update(_grads(1.0), state, params, value=jnp.float32(1.0))
+        params = optax.apply_updates(params, updates)
+    before = jax.tree.map(np.asarray, (params, state))
+    grads, loss = (_grads(1.0), 10.5) if spike == "loss" else (_grads(10.5), 1.0)
+    updates, state = update(grads, state, params, value=jnp.float32(loss))
+    params = optax.apply_updates(params, updates)
+    report = jmp.loss_scaling_report(state)
+    assert report.last_step_skipped and report.last_skip_cause == "spike"
+    assert report.skip_causes == {"non-finite loss": 0, "non-finite gradients": 0, "spike": 1}
+    assert "skipped for spike" in str(report)
+    old = before[1]
+    for a, b in zip(jax.tree.leaves(before[0]), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)  # parameters bit for bit
+    for a, b in zip(
+        jax.tree.leaves((old.inner_state, old.loss_scale, old.spike_stats[:3])),
+        jax.tree.leaves((state.inner_state, state.loss_scale, state.spike_stats[:3])),
+        strict=True,
+    ):  # optimizer state, scale (and its growth count), statistics: as they were
+        np.testing.assert_array_equal(a, b)
+    # Below the factor is no spike.
+    _, state = update(_grads(9.0), state, params, value=jnp.float32(9.0))
+    assert not bool(state.last_step_skipped)
+
+
+def test_spikes_are_judged_only_after_the_warm_up_and_a_run_ends_after_max_run():
+    tx, params, state, update = _spiky(warmup=3, max_run=2)
+    _, state = update(_grads(1.0), state, params, value=jnp.float32(1.0))
+    _, state = update(_grads(50.0), state, params, value=jnp.float32(1.0))  # warming up
+    assert not bool(state.last_step_skipped)
+    _, state = update(_grads(1.0), state, params, value=jnp.float32(1.0))
+    taken = []
+    for _ in range(4):  # a change of regime: every step 100x
+        _, state = update(_grads(100.0), state, params, value=jnp.float32(100.0))
+        taken.append(not bool(state.last_step_skipped))
+    assert taken == [False, False, True, True]  # 2 skipped, then taken (and learnt from)
+    assert int(state.skip_causes[2]) == 2
+
+
+def test_spike_states_are_data_under_vmap_and_tree_map():
+    tx, params, state, _ = _spiky(warmup=1)
+    states = jax.tree.map(lambda *x: jnp.stack(x), state, state)
+    both = jax.tree.map(lambda *x: jnp.stack(x), params, params)
+    grads = jax.tree.map(lambda *x: jnp.stack(x), _grads(1.0), _grads(1.0))
+    _, states = jax.vmap(tx.update)(grads, states, both)
+    spiky = jax.tree.map(lambda *x: jnp.stack(x), _grads(1.0), _grads(50.0))
+    _, states = jax.vmap(tx.update)(spiky, states, both)
+    assert states.last_step_skipped.tolist() == [False, True]  # each member decides alone
+    assert isinstance(states.spike_stats, jmp.SpikeStats)
+
+
+def test_skip_spikes_is_checked_at_construction():
+    with pytest.raises(ValueError, match="factor"):
+        jmp.SkipSpikes(factor=1.0)
+    with pytest.raises(ValueError, match="decay"):
+        jmp.SkipSpikes(decay=1.0)
+    with pytest.raises(ValueError, match="max_run"):
+        jmp.SkipSpikes(max_run=0)
+    with pytest.raises(TypeError, match="skip_spikes"):
+        jmp.loss_scaling(optax.sgd(0.1), jmp.NoOpLossScale(), skip_spikes=True)
