@@ -47,17 +47,7 @@ def _at_least_float32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
 
 
-_SCALED_LOSSES = [0]  # how many times a loss was scaled in this process (`scaled_losses`)
-
-
-def scaled_losses() -> int:
-    """How many times `scale` of a `StaticLossScale` or `DynamicLossScale` has run (traced or
-    eagerly) in this process: the mark `loss_scaling` looks for before its first update."""
-    return _SCALED_LOSSES[0]
-
-
 def _scale_floating(tree: T, scale: ArrayLike) -> T:
-    _SCALED_LOSSES[0] += 1
     return jax.tree.map(lambda x: _at_least_float32(x) * scale if is_floating_array(x) else x, tree)
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
 from jmp_policy._compat import pure
@@ -32,7 +33,6 @@ from jmp_policy.loss_scale import (
     LossScale,
     NoOpLossScale,
     StaticLossScale,
-    scaled_losses,
 )
 
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
@@ -229,11 +229,54 @@ def _check_state(state: Any) -> None:
     )
 
 
+def computed_without(grads: Any, params: Any, scale: Any) -> bool:
+    """Whether `grads` were surely computed from `params` without `scale` (the loss scale of
+    the state given to `update`) in the traced step that calls `update`.
+
+    True only when `grads`, `params` and `scale` are values of one jaxpr trace (a `jit`,
+    `nnx.jit`, `eqx.filter_jit` or `shard_map` step), the gradients are computed in it from
+    the parameters' inputs, and none of the inputs the scale comes from is among the inputs
+    they are computed from. Everything it cannot see is False (no warning): eager values,
+    gradients passed into the trace (`jax.jit(tx.update)`, `make_jaxpr`, `lower`,
+    `eval_shape`, an accumulator inside `optax.MultiSteps`), no `params`, values of
+    different traces, or a JAX whose tracing internals differ."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        def tracers(tree: Any) -> list:
+            return [x for x in jax.tree.leaves(tree) if isinstance(x, pe.DynamicJaxprTracer)]
+
+        grads, params, scale = tracers(grads), tracers(params), tracers(scale)
+        if not grads or not params or not scale:
+            return False
+        trace = grads[0]._trace
+        if any(x._trace is not trace for x in grads + params + scale):
+            return False
+        frame = trace.frame
+        inputs = {v: i for i, v in enumerate(frame.invars)}
+        eqns = frame.get_eqns()
+
+        def progenitors(values: list) -> set:
+            # JAX's own `find_progenitors`, for many values at once: one backward walk.
+            active = {x.val for x in values} - {None}
+            for eqn in reversed(eqns):
+                if active.intersection(eqn.outvars):
+                    active.difference_update(eqn.outvars)
+                    active.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+            return {inputs[v] for v in active if v in inputs}
+
+        from_grads = progenitors(grads)
+        from_scale = progenitors(scale)
+        return bool(from_grads & progenitors(params)) and not from_grads & from_scale
+    except Exception:  # noqa: BLE001 (JAX internals of another release: no check)
+        return False
+
+
 def _warn_if_gradients_unscaled(loss_scale: LossScale) -> None:
     warn_at_user_line(
-        "loss_scaling: this first update of the optimizer was traced, and no loss was scaled "
-        f"since the optimizer was built (its {type(loss_scale).__name__} was never applied "
-        "to a loss). Its `update` takes the gradients of the *scaled* loss and divides them "
+        "loss_scaling: the gradients given to `update` were computed, in this traced step, "
+        f"without its {type(loss_scale).__name__} (the loss scale in the optimizer state). "
+        "Its `update` takes the gradients of the *scaled* loss and divides them "
         "by the scale: gradients of the plain loss (jax.grad / jax.value_and_grad / "
         "nnx.grad / eqx.filter_grad next to loss_scaling) make every update S times too small "
         "(S the loss scale, 2^15 for DynamicLossScale(2.0**15)), with no error. Compute them with "
@@ -394,10 +437,6 @@ def loss_scaling(
             f"Expected a floating dtype such as 'float16' for `stats_dtype`, got {stats_dtype!r}."
         )
     inner = optax.with_extra_args_support(inner)
-    # The mark of a scaled loss: `scale` of a loss scale counts its calls. If none ran between
-    # building this optimizer and tracing its first update, its gradients are unscaled.
-    losses_scaled_before = scaled_losses()
-    checked = []
 
     def init_fn(params):
         inner_state = inner.init(params)
@@ -435,12 +474,10 @@ def loss_scaling(
     def update_fn(updates, state, params=None, value=None, **extra_args):
         _check_state(state)
         loss_scale = state.loss_scale
-        if not checked:  # once: at the first trace (or eager call) of this optimizer's update
-            checked.append(True)
-            if not isinstance(loss_scale, NoOpLossScale) and (
-                scaled_losses() == losses_scaled_before
-            ):
-                _warn_if_gradients_unscaled(loss_scale)
+        if not isinstance(loss_scale, NoOpLossScale) and computed_without(
+            updates, params, loss_scale
+        ):
+            _warn_if_gradients_unscaled(loss_scale)
         old_flags = state.nonfinite_leaves
         leaf_finite = unscaled_leaf_finite(updates, loss_scale, axis_name)
         # The loss, where given (`value=loss`, as optax passes it to transforms that need it):

@@ -154,6 +154,72 @@ def test_equinox_and_nnx_train_steps_do_not_warn_and_their_plain_grads_do():
         nnx_step(scaled=False)()
 
 
+def _plain_step(tx):
+    @jax.jit
+    def step(params, opt_state, x):
+        grads = jax.grad(_loss)(params, x)  # the mistake: the plain loss's gradients
+        return tx.update(grads, opt_state, params)
+
+    return step
+
+
+def test_every_correct_way_to_scale_the_loss_stays_silent():
+    # The check reads the traced step: are the gradients computed without the state's scale?
+    tx = _scaled_tx()
+    opt_state = tx.init(PARAMS)
+
+    @jax.jit
+    def by_vjp(params, opt_state, x):  # the loss scale as the cotangent
+        loss, pullback = jax.vjp(lambda p: _loss(p, x), params)
+        (grads,) = pullback(jmp.get_loss_scale(opt_state).loss_scale)
+        return tx.update(grads, opt_state, params)
+
+    @jax.jit
+    def by_hand(params, opt_state, x):  # loss times the scale, no `scale()` call
+        scale = jmp.get_loss_scale(opt_state).loss_scale
+        return tx.update(jax.grad(lambda p: _loss(p, x) * scale)(params), opt_state, params)
+
+    _no_warning(lambda: by_vjp(PARAMS, opt_state, X))
+    _no_warning(lambda: by_hand(PARAMS, opt_state, X))
+
+    # inject_hyperparams around a factory that builds loss_scaling (traced again and again).
+    factory = optax.inject_hyperparams(
+        lambda learning_rate: jmp.loss_scaling(
+            optax.sgd(learning_rate), jmp.DynamicLossScale(2.0**15)
+        )
+    )
+    for rate in (0.1, 0.05):
+        _no_warning(_first_step(factory(learning_rate=rate)))
+
+    # A compiled scaled-gradient function used by a second optimizer.
+    scaled_grads = jax.jit(lambda s, p, x: jmp.value_and_scaled_grad(_loss)(s, p, x)[1])
+    for _ in range(2):
+        second = _scaled_tx()
+
+        @jax.jit
+        def step(params, opt_state, x, tx=second):
+            return tx.update(scaled_grads(opt_state, params, x), opt_state, params)
+
+        _no_warning(lambda step=step, tx=second: step(PARAMS, tx.init(PARAMS), X))
+
+
+def test_tracing_update_alone_is_silent_and_does_not_use_up_the_check():
+    tx = _scaled_tx()
+    opt_state = tx.init(PARAMS)
+    _no_warning(lambda: jax.make_jaxpr(tx.update)(PARAMS, opt_state, PARAMS))
+    _no_warning(lambda: jax.jit(tx.update).lower(PARAMS, opt_state, PARAMS))
+    _no_warning(lambda: jax.eval_shape(tx.update, PARAMS, opt_state, PARAMS))
+    with pytest.warns(jmp.LossScalingWarning, match="value_and_scaled_grad"):
+        _plain_step(tx)(PARAMS, opt_state, X)  # the real first step is still checked
+
+
+def test_plain_gradients_warn_also_after_another_optimizers_correct_steps():
+    tx = _scaled_tx()  # built first; then another optimizer scales a loss correctly
+    _no_warning(_first_step(_scaled_tx()))
+    with pytest.warns(jmp.LossScalingWarning, match="value_and_scaled_grad"):
+        _plain_step(tx)(PARAMS, tx.init(PARAMS), X)
+
+
 # --- 2. The wrong state to tx.update ----------------------------------------------------
 
 
