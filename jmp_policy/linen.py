@@ -287,15 +287,7 @@ class MixedPrecisionModule:
                 )
             )
 
-        cast_vars = cast(variables)
-
-        if key not in self._checked:
-            self._checked.add(key)
-            if any(casting_policy(p).compute_dtype != jnp.float32 for p in path_policies.values()):
-                # Abstract, once per call signature: float32 matmuls that slipped through.
-                warn_float32_matmuls(
-                    trace(run, cast_vars, args, kwargs), "jmp_policy.linen.mixed_precision"
-                )
+        at_use, at_use_args = None, ()
         if self._casts_own_weights(key, variables, path_policies):
             # Parameters cast inside the traced program, so each matmul on one takes it in
             # float32 (`autocast.cast_at_use`): its gradient is made and summed in float32.
@@ -306,10 +298,21 @@ class MixedPrecisionModule:
                         cast({**rest, "params": params}), args, kwargs
                     )
                 )
+            at_use = self._at_use[program]
             rest = {k: v for k, v in variables.items() if k != "params"}
-            out = self._at_use[program](variables["params"], rest, args, kwargs)
-        else:
-            out = run(cast_vars, args, kwargs)
+            at_use_args = (variables["params"], rest, args, kwargs)
+        if key not in self._checked:
+            self._checked.add(key)
+            if any(casting_policy(p).compute_dtype != jnp.float32 for p in path_policies.values()):
+                # Abstract, once per call signature: float32 matmuls that slipped through. The
+                # program `cast_at_use` traced (and keeps for the call) serves where there is one.
+                warn_float32_matmuls(
+                    trace(run, cast(variables), args, kwargs)
+                    if at_use is None
+                    else at_use.traced_program(*at_use_args),
+                    "jmp_policy.linen.mixed_precision",
+                )
+        out = run(cast(variables), args, kwargs) if at_use is None else at_use(*at_use_args)
         root = self._module_policy(path_policies, ())
         if mutable is False:
             return root.cast_to_output(out)
