@@ -101,10 +101,10 @@ class LossScalingState(NamedTuple):
         by-product of the finite check itself (which works per leaf), so it
         costs no extra pass over the gradients. Read it with
         `nonfinite_leaves.paths()`, `.tree()`, or `jmp_policy.loss_scaling_report`.
-      skip_causes: skipped steps by cause (int32, saturating), indexed by
-        `SKIP_CAUSES`: [non-finite loss, non-finite gradients of a finite loss]. A
-        step whose `update` was not given the loss (`value=loss`) counts its
-        non-finite gradients as the second.
+      skip_causes: skipped steps by cause (int32, saturating), in the order of
+        `SKIP_CAUSES`: non-finite loss, non-finite gradients, spike. A step whose
+        `update` was not given the loss (`value=loss`) counts its non-finite
+        gradients as the second.
       last_skip_cause: the most recent skipped step's cause, 1 + its index in
         `SKIP_CAUSES` (int32); 0 until a step is skipped.
       gradient_stats: with `loss_scaling(..., stats_every=N)`, the `GradientStats` of the
@@ -490,22 +490,20 @@ def loss_scaling(
         finite = leaf_finite.all() & loss_finite
         if value is not None:
             extra_args = {**extra_args, "value": value}  # for an inner transform that takes it
+        # Unscaled before the cond, in place of the scaled gradients (XLA reuses
+        # their buffers): measured faster to compile and run than unscaling in
+        # the cond's first pass, with the same temp memory.
+        grads = loss_scale.unscale(updates)
         spikes = state.spike_stats
         spike = jnp.zeros((), jnp.bool_)
         if skip_spikes is not None and spikes is not None:
-            spike, spikes = _judge_spike(
-                skip_spikes, spikes, finite, loss_scale, updates, value, axis_name
-            )
+            spike, spikes = _judge_spike(skip_spikes, spikes, finite, grads, value, axis_name)
         applied = finite & ~spike
 
         def apply(grads, inner_state):
             new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
             return new_updates, optax.tree.cast_like(new_inner, inner_state)
 
-        # Unscaled before the cond, in place of the scaled gradients (XLA reuses
-        # their buffers): measured faster to compile and run than unscaling in
-        # the cond's first pass, with the same temp memory.
-        grads = loss_scale.unscale(updates)
         new_updates, inner_state = _run_if_finite(applied, apply, grads, state.inner_state)
         skipped = ~applied
         stats = state.gradient_stats
@@ -554,10 +552,10 @@ def loss_scaling(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-def _judge_spike(config, stats, finite, loss_scale, scaled_grads, value, axis_name):
+def _judge_spike(config, stats, finite, grads, value, axis_name):
     """Whether this step is a spike (`SkipSpikes`), and the statistics after it: learnt from
     the step only when it is applied. The same decision on every device of `axis_name`."""
-    norm = (optax.tree.norm(scaled_grads) / loss_scale.loss_scale).astype(jnp.float32)
+    norm = optax.tree.norm(grads).astype(jnp.float32)
     loss = (
         jnp.zeros((), jnp.float32)
         if value is None
