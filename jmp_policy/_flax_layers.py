@@ -13,6 +13,17 @@ from jmp_policy.activations import softmax_in_float32
 from jmp_policy.policy import Policy, cast_floating
 
 
+def recomputes(module: Any, norms: Any, island: Policy, outer: Policy) -> bool:
+    """Whether `module` runs as a recomputed float32 island (`recomputed`): one of Flax's
+    normalisation layers (`norms`, the integration's `NORMS_IN_FLOAT32` classes) whose own
+    policy computes in float32 inside a model that computes in 16 bits."""
+    return (
+        isinstance(module, tuple(norms))
+        and island.compute_dtype == jnp.float32
+        and outer.compute_dtype != jnp.float32
+    )
+
+
 def recomputed(call: Any, cast: Policy, state: Any, args: tuple, kwargs: dict, back_to: Any) -> Any:
     """A float32 normalisation layer inside a half-precision model, as Flax's own `dtype=`
     layers and `activations.meet` treat an island: `call(state, *args, **kwargs)` (the layer

@@ -26,7 +26,7 @@ import numpy as np
 from flax.core import unfreeze
 
 from jmp_policy import matmul
-from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed
+from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed, recomputes
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
 from jmp_policy.census import trace, warn_float32_matmuls
@@ -144,11 +144,8 @@ class MixedPrecisionModule:
                 )
             )
             outer = casting_policy(self._stack[-1] if self._stack else self.policy)
-            recompute = (
-                context.method_name == "__call__"
-                and isinstance(module, tuple(NORMS_IN_FLOAT32))
-                and cast.compute_dtype == jnp.float32
-                and outer.compute_dtype != jnp.float32
+            recompute = context.method_name == "__call__" and recomputes(
+                module, NORMS_IN_FLOAT32, cast, outer
             )
             self._stack.append(policy)
             try:

@@ -24,7 +24,7 @@ from jax import lax
 
 from jmp_policy import matmul
 from jmp_policy._compat import set_variable_value, variable_value
-from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed
+from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed, recomputes
 from jmp_policy._pytree import signature
 from jmp_policy.autocast import cast_at_use
 from jmp_policy.census import trace, warn_float32_matmuls
@@ -242,12 +242,7 @@ def mixed_precision(
         # half-precision input for the backward pass (`_recomputed`).
         island = casting_policy(resolved[path])
         outer = casting_policy(resolved.get(parent, policy))
-        recompute = (
-            bool(path)
-            and isinstance(module, tuple(NORMS_IN_FLOAT32))
-            and island.compute_dtype == jnp.float32
-            and outer.compute_dtype != jnp.float32
-        )
+        recompute = bool(path) and recomputes(module, NORMS_IN_FLOAT32, island, outer)
         object.__setattr__(
             module, "_jmp_policy_recompute", (island, outer.compute_dtype) if recompute else None
         )
