@@ -103,6 +103,50 @@ def shard_mapped(axis_name):
     return {"skipped": np.asarray(skipped).tolist()}
 
 
+def spikes_agreed():
+    """SkipSpikes with axis_name under shard_map: a spike in one device's shard only (its
+    targets 100x, after one clean step) is skipped on every device, whose statistics stay
+    equal."""
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = jmp.loss_scaling(
+        optax.sgd(0.1),
+        jmp.DynamicLossScale(2.0**4),
+        axis_name="data",
+        skip_spikes=jmp.SkipSpikes(warmup=1),
+    )
+    params, x, y = make()
+    spiky = y.at[32:40].multiply(100.0)  # device 4's 8 rows
+
+    def per_device(params, x, y, spiky):
+        state = tx.init(params)
+        for targets in (y, spiky):
+            loss, grads = jmp.value_and_scaled_grad(loss_fn)(state, params, x, targets)
+            updates, state = tx.update(grads, state, params, value=loss)
+            params = optax.apply_updates(params, updates)
+        stats = state.spike_stats
+        return state.last_step_skipped[None], stats.norm_mean[None], stats.loss_mean[None]
+
+    fn = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(P(), P("data"), P("data"), P("data")),
+            out_specs=(P("data"), P("data"), P("data")),
+            check_vma=False,
+        )
+    )
+    batch = NamedSharding(mesh, P("data"))
+    skipped, norms, losses = fn(
+        jax.device_put(params, NamedSharding(mesh, P())),
+        *(jax.device_put(a, batch) for a in (x, y, spiky)),
+    )
+    return {
+        "skipped": np.asarray(skipped).tolist(),
+        "norms_equal": len(set(np.asarray(norms).tolist())) == 1,
+        "losses_equal": len(set(np.asarray(losses).tolist())) == 1,
+    }
+
+
 def low_precision_sharded():
     """bfloat16 parameters sharded over the mesh, stochastic rounding and Kahan: the same bits
     as on one device, and the shardings kept."""
@@ -141,6 +185,7 @@ print(
             "with_axis": shard_mapped("data"),
             "without_axis": shard_mapped(None),
             "low_precision": low_precision_sharded(),
+            "spikes": spikes_agreed(),
         }
     )
 )

@@ -43,3 +43,11 @@ def test_shard_map_axis_name_agrees(results):
 def test_low_precision_optimizer_sharded_matches_one_device(results):
     for rounding, got in results["low_precision"].items():
         assert got == {"equal": True, "sharded": True, "dtype": "bfloat16"}, rounding
+
+
+def test_a_spike_on_one_device_is_skipped_on_every_device(results):
+    # SkipSpikes with axis_name: the statistics are averaged across devices, so the decision
+    # and the running means are the same everywhere.
+    spikes = results["spikes"]
+    assert spikes["skipped"] == [True] * 8
+    assert spikes["norms_equal"] and spikes["losses_equal"]
