@@ -47,7 +47,8 @@ class LossScalingReport:
         left before that leaf overflows); None when not collected (yet).
       stats_step: the step they were collected at (None when not collected).
       skip_causes: skipped steps by cause, `{cause: count}` for each of
-        `jmp_policy.SKIP_CAUSES` ("non-finite loss", "non-finite gradients").
+        `jmp_policy.SKIP_CAUSES` ("non-finite loss", "non-finite gradients", "spike");
+        `str()` lists them when any cause but overflowing gradients occurred.
       last_skip_cause: the latest skipped step's cause, or None before any skip. While the
         latest step was skipped, `str()` says the cause in words with its fix.
       hint: a likely misuse read from these figures, or None. A dynamic scale past 2^24
