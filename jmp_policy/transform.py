@@ -27,7 +27,7 @@ from jmp_policy._compat import pure
 from jmp_policy._pytree import register_state
 from jmp_policy._validation import warn_at_user_line, whole_number
 from jmp_policy.debugger import GradientStats, empty_gradient_stats, gradient_stats
-from jmp_policy.finite import agree, unscaled_leaf_finite
+from jmp_policy.finite import agree, global_norm, unscaled_leaf_finite
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -555,7 +555,7 @@ def loss_scaling(
 def _judge_spike(config, stats, finite, grads, value, axis_name):
     """Whether this step is a spike (`SkipSpikes`), and the statistics after it: learnt from
     the step only when it is applied. The same decision on every device of `axis_name`."""
-    norm = optax.tree.norm(grads).astype(jnp.float32)
+    norm = global_norm(grads)
     loss = (
         jnp.zeros((), jnp.float32)
         if value is None
