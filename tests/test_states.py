@@ -23,7 +23,12 @@ PARAMS = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
 
 def _states():
     """One of each state class the library hands users, built as users build them."""
-    scaled = jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15), stats_every=5)
+    scaled = jmp.loss_scaling(
+        optax.adam(1e-3),
+        jmp.DynamicLossScale(2.0**15),
+        stats_every=5,
+        skip_spikes=jmp.SkipSpikes(),
+    )
     loss_scaling_state = scaled.init(PARAMS)
     with jax.numpy_dtype_promotion("standard"):
         low = jmp.low_precision_optimizer(optax.adamw(1e-3), "kahan").init(PARAMS)
@@ -39,6 +44,7 @@ def _states():
         "LossScalingState": loss_scaling_state,
         "LeafFlags": loss_scaling_state.nonfinite_leaves,
         "GradientStats": loss_scaling_state.gradient_stats,
+        "SpikeStats": loss_scaling_state.spike_stats,
         "LowPrecisionState": low,
         "Fp8DotState": DelayedScaling(history_length=4).init(),
         "Fp8Meta": DelayedScaling(history_length=4).init().lhs,
