@@ -21,18 +21,26 @@ VARIABLES = MODEL.init(jax.random.key(1), X)
 
 
 def _train(scale):
-    tx = jmp.loss_scaling(optax.sgd(1e-2, momentum=0.9), jmp.DynamicLossScale(scale))
+    # Spike skipping on (judged after 3 applied steps, at 5x the running means).
+    tx = jmp.loss_scaling(
+        optax.sgd(1e-2, momentum=0.9),
+        jmp.DynamicLossScale(scale),
+        skip_spikes=jmp.SkipSpikes(factor=5.0, warmup=3),
+    )
 
-    def loss_fn(params, batch_stats, x, targets):
+    def loss_fn(params, batch_stats, x, targets, times, gradient_times):
         logits, updates = MODEL.apply(
             {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
         )
-        return optax.softmax_cross_entropy(logits, targets).mean(), updates["batch_stats"]
+        loss = times * optax.softmax_cross_entropy(logits, targets).mean()
+        # The same value, its gradients `gradient_times` as large: a gradient-norm spike.
+        loss = loss + (gradient_times - 1.0) * (loss - jax.lax.stop_gradient(loss))
+        return loss, updates["batch_stats"]
 
     @jax.jit
-    def step(params, batch_stats, opt_state, x, targets):
+    def step(params, batch_stats, opt_state, x, targets, times=1.0, gradient_times=1.0):
         (loss, new_stats), grads = jmp.value_and_scaled_grad(loss_fn, has_aux=True)(
-            opt_state, params, batch_stats, x, targets
+            opt_state, params, batch_stats, x, targets, times, gradient_times
         )
         updates, opt_state = tx.update(grads, opt_state, params, value=loss)
         params = optax.apply_updates(params, updates)
@@ -41,46 +49,55 @@ def _train(scale):
     return tx.init(VARIABLES["params"]), step
 
 
+# planted: (initial scale, batch, targets, loss multiplier, gradient multiplier, cause)
+INF = X.at[0, 0, 0, 0].set(jnp.inf)
 CAUSES = {
-    "an inf in the batch": (2.0**10, X.at[0, 0, 0, 0].set(jnp.inf), TARGETS, "non-finite loss"),
-    "a NaN target": (2.0**10, X, TARGETS.at[3, 1].set(jnp.nan), "non-finite loss"),
-    "a forward overflow": (2.0**10, X * 1e5, TARGETS, "non-finite loss"),
-    "a gradient overflow at a huge scale": (2.0**30, X, TARGETS, "non-finite gradients"),
-}
+    "an inf in the batch": (2.0**10, INF, TARGETS, 1, 1, "non-finite loss"),
+    "a NaN target": (2.0**10, X, TARGETS.at[3, 1].set(jnp.nan), 1, 1, "non-finite loss"),
+    "a forward overflow": (2.0**10, X * 1e5, TARGETS, 1, 1, "non-finite loss"),
+    "a gradient overflow at a huge scale": (2.0**30, X, TARGETS, 1, 1, "non-finite gradients"),
+    "a 10x loss spike": (2.0**10, X, TARGETS, 10.0, 1, "spike"),
+    "a 10x gradient-norm spike": (2.0**10, X, TARGETS, 1, 10.0, "spike"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("planted", CAUSES)
 def test_each_cause_is_recorded_and_keeps_every_state(planted):
-    scale, x, targets, cause = CAUSES[planted]
+    scale, x, targets, times, gradient_times, cause = CAUSES[planted]
     opt_state, step = _train(scale)
     params, stats = VARIABLES["params"], VARIABLES["batch_stats"]
-    if cause == "non-finite loss":  # one clean step first: the scale starts a growth count
+    # Clean steps first: the scale starts a growth count; spikes are judged after 3.
+    for _ in range({"non-finite loss": 1, "spike": 3}.get(cause, 0)):
         params, stats, opt_state = step(params, stats, opt_state, X, TARGETS)
     before = jax.tree.map(np.asarray, (params, stats, opt_state))
-    params, stats, opt_state = step(params, stats, opt_state, x, targets)
+    params, stats, opt_state = step(
+        params, stats, opt_state, x, targets, jnp.float32(times), jnp.float32(gradient_times)
+    )
     state = jmp.find_loss_scaling_state(opt_state)
     assert bool(state.last_step_skipped)
     for a, b in zip(jax.tree.leaves(before[:2]), jax.tree.leaves((params, stats)), strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, b)  # parameters and batch statistics
     kept = [before[2], opt_state]
     inner = [jmp.find_loss_scaling_state(s).inner_state for s in kept]
     for a, b in zip(*map(jax.tree.leaves, inner), strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, b)  # the optimizer's state
     old_scale = jmp.find_loss_scaling_state(before[2]).loss_scale
-    if cause == "non-finite loss":
+    if cause == "non-finite gradients":
+        assert float(state.loss_scale.loss_scale) == float(old_scale.loss_scale) / 2
+    else:
         # No scale cures it: the scale and its growth count stay as they were.
         for a, b in zip(jax.tree.leaves(old_scale), jax.tree.leaves(state.loss_scale), strict=True):
             np.testing.assert_array_equal(a, b)
-    else:
-        assert float(state.loss_scale.loss_scale) == float(old_scale.loss_scale) / 2
     report = jmp.loss_scaling_report(opt_state)
     assert report.last_skip_cause == cause
     assert report.skip_causes == {c: int(c == cause) for c in jmp.SKIP_CAUSES}
     assert f"the last step was skipped for {cause}" in str(report)
-    if cause == "non-finite loss":
-        assert "debug_precision" in str(report) and "left as it was" in str(report)
-    else:
-        assert "backing off the scale cures" in str(report)
+    words = {
+        "non-finite loss": ["debug_precision", "left as it was"],
+        "non-finite gradients": ["backing off the scale cures"],
+        "spike": ["jumped far above the running mean", "left as it was"],
+    }
+    assert all(w in str(report) for w in words[cause])
 
 
 def test_without_the_loss_a_skip_is_counted_as_the_gradients_and_backs_off():
