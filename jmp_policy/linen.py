@@ -284,7 +284,6 @@ class MixedPrecisionModule:
                 )
             )
 
-        at_use, at_use_args = None, ()
         if self._casts_own_weights(key, variables, path_policies):
             # Parameters cast inside the traced program, so each matmul on one takes it in
             # float32 (`autocast.cast_at_use`): its gradient is made and summed in float32.
@@ -298,18 +297,19 @@ class MixedPrecisionModule:
             at_use = self._at_use[program]
             rest = {k: v for k, v in variables.items() if k != "params"}
             at_use_args = (variables["params"], rest, args, kwargs)
+            # The program `cast_at_use` traces (and keeps for the call) serves the check.
+            traced = lambda: at_use.traced_program(*at_use_args)  # noqa: E731
+            call = lambda: at_use(*at_use_args)  # noqa: E731
+        else:
+            cast_vars = cast(variables)
+            traced = lambda: trace(run, cast_vars, args, kwargs)  # noqa: E731
+            call = lambda: run(cast_vars, args, kwargs)  # noqa: E731
         if key not in self._checked:
             self._checked.add(key)
             if any(casting_policy(p).compute_dtype != jnp.float32 for p in path_policies.values()):
-                # Abstract, once per call signature: float32 matmuls that slipped through. The
-                # program `cast_at_use` traced (and keeps for the call) serves where there is one.
-                warn_float32_matmuls(
-                    trace(run, cast(variables), args, kwargs)
-                    if at_use is None
-                    else at_use.traced_program(*at_use_args),
-                    "jmp_policy.linen.mixed_precision",
-                )
-        out = run(cast(variables), args, kwargs) if at_use is None else at_use(*at_use_args)
+                # Abstract, once per call signature: float32 matmuls that slipped through.
+                warn_float32_matmuls(traced(), "jmp_policy.linen.mixed_precision")
+        out = call()
         root = self._module_policy(path_policies, ())
         if mutable is False:
             return root.cast_to_output(out)
