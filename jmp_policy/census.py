@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import eval_jaxpr
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy._compat import jaxprs_in_params
@@ -433,3 +434,24 @@ def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ClosedJaxpr:
         return fun(*a, **k)
 
     return jax.make_jaxpr(run)(*arrays)
+
+
+def traced_once(
+    fun: Callable[..., Any], *args: Any, **kwargs: Any
+) -> tuple[ClosedJaxpr, Callable[[], Any]]:
+    """The program `fun(*args, **kwargs)` traces (as `trace`), and a function that returns
+    its result from the program, evaluated on the arguments in the caller's trace (as
+    `jax.core.eval_jaxpr` does: the same equations, names kept), not from a second run."""
+    arrays, rebuild = split_traced((args, kwargs))
+
+    def run(*traced):
+        a, k = rebuild(traced)
+        return fun(*a, **k)
+
+    program, shape = jax.make_jaxpr(run, return_shape=True)(*arrays)
+
+    def result() -> Any:
+        out = eval_jaxpr(program.jaxpr, program.consts, *arrays)
+        return jax.tree.unflatten(jax.tree.structure(shape), out)
+
+    return program, result

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -29,7 +30,7 @@ from jmp_policy import matmul
 from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed, recomputes
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
-from jmp_policy.census import trace, warn_float32_matmuls
+from jmp_policy.census import traced_once, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, float8_format, fp8_layer
 from jmp_policy.overrides import FLOAT32, Overrides, is_compute_dtype, island_scope
 from jmp_policy.policy import (
@@ -74,19 +75,13 @@ class MixedPrecisionModule:
         self.overrides = Overrides(overrides, nn.Module)
         self.reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
         self.accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)
-        # Module path -> the policy it runs under, learnt from a trace (abstract,
-        # so it costs no compute); needed to cast each parameter for its module.
-        self._path_policies: dict[Any, dict[tuple[str, ...], Policy]] = {}
-        # Module paths of Flax layers that cast their own parameters where they use them
-        # (a `promote_dtype` field): their parameters are not cast before the call.
-        self._cast_at_use: dict[Any, set[tuple[str, ...]]] = {}
-        # Module paths of modules whose matmuls are not taken over (`_weights_cast_inside`):
-        # where they own parameters, `apply` runs under `autocast.cast_at_use`.
-        self._not_taken_over: dict[Any, set[tuple[str, ...]]] = {}
-        self._at_use: dict[Any, Any] = {}
-        self._owns_weights: dict[Any, bool] = {}
+        # Per call signature: what a run of the model showed (`_Paths`): each module path's
+        # policy, needed to cast each parameter for its module before the call.
+        self._path_policies: dict[Any, _Paths] = {}
+        self._checked: set[Any] = set()  # call signatures traced once, checked, and verified
+        self._at_use: dict[Any, Any] = {}  # `autocast.cast_at_use` programs, by signature
         self._stack: list[Policy] = []
-        self._checked: set[Any] = set()
+        self._seen: _Paths | None = None  # set while a first call notes what it runs
         self._as_written = False  # inside `_recomputed`: modules run as Flax wrote them
 
     def __repr__(self) -> str:
@@ -100,9 +95,7 @@ class MixedPrecisionModule:
             return own
         return self._stack[-1] if self._stack else self.policy
 
-    def _interceptor(
-        self, record: dict | None, cast_at_use: set | None = None, not_taken_over: set | None = None
-    ):
+    def _interceptor(self, record: _Paths | None):
         def intercept(next_fun, args, kwargs, context):
             if (
                 self._as_written
@@ -116,18 +109,14 @@ class MixedPrecisionModule:
             if record is not None:
                 # A recording pass (init, or learning the module paths) only
                 # needs the structure: it runs the module as written.
-                record[path] = policy
-                if cast_at_use is not None and "promote_dtype" in getattr(
-                    module, "__dataclass_fields__", {}
-                ):
-                    cast_at_use.add(path)
-                if not_taken_over is not None and not isinstance(module, _TAKEN_OVER):
-                    not_taken_over.add(path)
+                record.note(path, module, policy)
                 self._stack.append(policy)
                 try:
                     return next_fun(*args, **kwargs)
                 finally:
                     self._stack.pop()
+            if self._seen is not None:
+                self._seen.note(path, module, policy)
             _fp8_matmuls(module, policy, path)
             cast = casting_policy(policy)
             _compute_in(module, cast.compute_dtype)
@@ -193,67 +182,57 @@ class MixedPrecisionModule:
                 module.put_variable(collection, name, value)
         return out
 
-    def _run(self, fn, record=None, cast_at_use=None, not_taken_over=None):
+    def _run(self, fn, record: _Paths | None = None):
         self._stack = []
-        with nn.intercept_methods(self._interceptor(record, cast_at_use, not_taken_over)):
+        with nn.intercept_methods(self._interceptor(record)):
             return fn()
 
     # --- parameters -----------------------------------------------------------
 
-    def _module_policy(self, path_policies, param_path: tuple[str, ...]) -> Policy:
-        owner = _owner(path_policies, param_path)
-        return self.policy if owner is None else path_policies[owner]
-
-    def _cast_params(
-        self, params, path_policies, to: str, cast_at_use: Collection[tuple[str, ...]] = ()
-    ):
+    def _cast_params(self, params, paths: _Paths, to: str):
         def cast(path, leaf):
-            keys = _keys(path)
-            if keys[:-1] in cast_at_use:
+            module = _keys(path)[:-1]
+            if to == "compute" and module in paths.cast_at_use:
                 return leaf  # the layer casts it where it uses it
-            policy = casting_policy(self._module_policy(path_policies, keys[:-1]))
+            policy = casting_policy(paths.policy_of(module, self.policy))
             return getattr(policy, f"cast_to_{to}")(leaf)
 
         return jax.tree_util.tree_map_with_path(cast, params)
 
-    def _learn_paths(self, key, variables, args, kwargs, method):
-        if key not in self._path_policies:
-            record: dict[tuple[str, ...], Policy] = {}
-            cast_at_use: set[tuple[str, ...]] = set()
-            not_taken_over: set[tuple[str, ...]] = set()
-            # Only arrays are traced; flags such as `train=False` and callables
-            # such as `capture_intermediates` are passed through as they are.
-            arrays, rebuild = split_traced((variables, args, kwargs))
+    def _borrowed_paths(self, key, method) -> _Paths | None:
+        """The paths an earlier run of the same method showed (`init`'s, or another
+        signature's), for a first call to use and check; None if there was none."""
+        if key in self._path_policies:
+            return self._path_policies[key]
+        for (other, _), paths in reversed(self._path_policies.items()):
+            if other == key[0]:
+                return paths
+        return None
 
-            def run(arrays):
-                v, a, k = rebuild(arrays)
-                return self.module.apply(v, *a, method=method, mutable=True, **k)
+    def _learn_paths(self, variables, args, kwargs, method) -> _Paths:
+        """The paths of the call's modules, from a recording run of the model as written
+        (abstract: it costs no compute)."""
+        record = _Paths()
+        # Only arrays are traced; flags such as `train=False` and callables
+        # such as `capture_intermediates` are passed through as they are.
+        arrays, rebuild = split_traced((variables, args, kwargs))
 
-            self._run(lambda: jax.eval_shape(run, arrays), record, cast_at_use, not_taken_over)
-            self._path_policies[key] = record
-            self._cast_at_use[key] = cast_at_use
-            self._not_taken_over[key] = not_taken_over
-            self.overrides.warn_unmatched()
-        return self._path_policies[key], self._cast_at_use[key]
+        def run(arrays):
+            v, a, k = rebuild(arrays)
+            return self.module.apply(v, *a, method=method, mutable=True, **k)
+
+        self._run(lambda: jax.eval_shape(run, arrays), record)
+        return record
 
     # --- the module's API -------------------------------------------------------
 
     def init(self, rngs, *args, method=None, **kwargs):
         """Like `module.init`; parameters are stored in each module's `param_dtype`."""
-        record: dict[tuple[str, ...], Policy] = {}
-        cast_at_use: set[tuple[str, ...]] = set()
-        not_taken_over: set[tuple[str, ...]] = set()
+        record = _Paths()
         variables = self._run(
-            lambda: self.module.init(rngs, *args, method=method, **kwargs),
-            record,
-            cast_at_use,
-            not_taken_over,
+            lambda: self.module.init(rngs, *args, method=method, **kwargs), record
         )
-        key = _call_key(method, args, kwargs)
-        if key not in self._path_policies:
-            self._path_policies[key] = record
-            self._cast_at_use[key] = cast_at_use
-            self._not_taken_over[key] = not_taken_over
+        self._path_policies.setdefault(_call_key(method, args, kwargs), record)
         self.overrides.warn_unmatched()
         variables = unfreeze(variables)
         if "params" in variables:
@@ -269,48 +248,33 @@ class MixedPrecisionModule:
         """
         variables = unfreeze(variables)
         key = _call_key(method, args, kwargs)
-        path_policies, cast_at_use = self._learn_paths(key, variables, args, kwargs, method)
-
-        def cast(variables):
-            if "params" not in variables:
-                return variables
-            params = self._cast_params(variables["params"], path_policies, "compute", cast_at_use)
-            return {**variables, "params": params}
-
-        def run(cast_vars, args, kwargs):
-            return self._run(
-                lambda: self.module.apply(
-                    cast_vars, *args, method=method, mutable=mutable, **kwargs
-                )
-            )
-
-        if self._casts_own_weights(key, variables, path_policies):
-            # Parameters cast inside the traced program, so each matmul on one takes it in
-            # float32 (`autocast.cast_at_use`): its gradient is made and summed in float32.
-            program = (key, repr(mutable))  # `mutable` may be a list
-            if program not in self._at_use:
-                self._at_use[program] = cast_at_use_program(
-                    lambda params, rest, args, kwargs: run(
-                        cast({**rest, "params": params}), args, kwargs
-                    )
-                )
-            at_use = self._at_use[program]
-            rest = {k: v for k, v in variables.items() if k != "params"}
-            at_use_args = (variables["params"], rest, args, kwargs)
-            # The program `cast_at_use` traces (and keeps for the call) serves the check.
-            traced = lambda: at_use.traced_program(*at_use_args)  # noqa: E731
-            call = lambda: at_use(*at_use_args)  # noqa: E731
+        call = (variables, args, kwargs, method, mutable)
+        if key in self._checked:
+            paths = self._path_policies[key]
+            out = self._call(key, paths, *call)
         else:
-            cast_vars = cast(variables)
-            traced = lambda: trace(run, cast_vars, args, kwargs)  # noqa: E731
-            call = lambda: run(cast_vars, args, kwargs)  # noqa: E731
-        if key not in self._checked:
+            # The first call with this signature runs the model once: the program it traces
+            # serves the float32-matmul check and the call. The paths it was given (an
+            # earlier run's) are checked against the modules it ran.
+            guess, found = self._borrowed_paths(key, method), None
+            if guess is not None:
+                try:
+                    found = self._first_trace(key, guess, *call)
+                except Exception:  # borrowed paths that do not fit this call (an error
+                    guess = None  # of the model's own is raised by the run below)
+            if guess is None or found is None:
+                guess = self._learn_paths(variables, args, kwargs, method)
+                found = self._first_trace(key, guess, *call)
+            paths, traced, first = found
+            if self._plan(guess, variables, paths) != self._plan(paths, variables, paths):
+                _, traced, first = self._first_trace(key, paths, *call)  # a wrong guess
+            self._path_policies[key] = paths
             self._checked.add(key)
-            if any(casting_policy(p).compute_dtype != jnp.float32 for p in path_policies.values()):
-                # Abstract, once per call signature: float32 matmuls that slipped through.
-                warn_float32_matmuls(traced(), "jmp_policy.linen.mixed_precision")
-        out = call()
-        root = self._module_policy(path_policies, ())
+            self.overrides.warn_unmatched()
+            if any(casting_policy(p).compute_dtype != jnp.float32 for p in paths.policies.values()):
+                warn_float32_matmuls(traced, "jmp_policy.linen.mixed_precision")
+            out = first()
+        root = paths.policy_of((), self.policy)
         if mutable is False:
             return root.cast_to_output(out)
         y, updated = out
@@ -322,22 +286,92 @@ class MixedPrecisionModule:
                 )
         return root.cast_to_output(y), updated
 
-    def _casts_own_weights(self, key, variables, path_policies) -> bool:
-        """Whether a module whose matmuls are not taken over (`nn.Einsum`,
+    def _first_trace(self, key, paths: _Paths, variables, args, kwargs, method, mutable):
+        """The call's program traced (the model run once, its parameters cast by `paths`).
+        Returns the paths of the modules it ran, the traced program and the call."""
+        self._at_use.pop((key, repr(mutable)), None)
+        at_use = self._at_use_program(key, paths, variables, method, mutable)
+        params, rest = _params_and_rest(variables)
+        if at_use is None:
+            # Traced to a program, evaluated for the call (not run again). The program is
+            # not kept: later calls run the model in their caller's trace, as Flax's `apply`.
+            result: list = []
+
+            def trace():
+                run = functools.partial(self._mixed_run, paths, method, mutable)
+                program, call = traced_once(run, variables, args, kwargs)
+                result.append(call)
+                return program
+
+            call = lambda: result[-1]()  # noqa: E731
+        else:
+            trace = lambda: at_use.traced_program(params, rest, args, kwargs)  # noqa: E731
+            call = lambda: at_use(params, rest, args, kwargs)  # noqa: E731
+        seen = self._seen = _Paths()
+        try:
+            traced = trace()
+        finally:
+            self._seen = None
+        return seen, traced, call
+
+    def _call(self, key, paths: _Paths, variables, args, kwargs, method, mutable):
+        at_use = self._at_use_program(key, paths, variables, method, mutable)
+        if at_use is None:
+            return self._mixed_run(paths, method, mutable, variables, args, kwargs)
+        return at_use(*_params_and_rest(variables), args, kwargs)
+
+    def _at_use_program(self, key, paths: _Paths, variables, method, mutable):
+        """The `autocast.cast_at_use` program of the call (traced once, kept for later
+        calls), where a module whose matmuls are not taken over (`nn.Einsum`,
         `nn.ConvTranspose`, a module's own `x @ self.param(...)`) owns a parameter and
-        computes in 16 bits, with gradients to be summed in float32 (`reduce_dtype`)."""
+        computes in 16 bits, with gradients to be summed in float32 (`reduce_dtype`): the
+        parameters are cast inside the program where each is used, so a matmul on one takes
+        it in float32 and its gradient is made and summed in float32. None where none does.
+        """
+        if not self._casts_own_weights(paths, variables):
+            return None
+        program = (key, repr(mutable))  # `mutable` may be a list
+        if program not in self._at_use:
+            self._at_use[program] = cast_at_use_program(
+                lambda params, rest, args, kwargs: self._mixed_run(
+                    paths, method, mutable, {**rest, "params": params}, args, kwargs
+                )
+            )
+        return self._at_use[program]
+
+    def _mixed_run(self, paths: _Paths, method, mutable, variables, args, kwargs):
+        """The module's `apply` under the policy, each parameter cast for its module."""
+        if "params" in variables:
+            params = self._cast_params(variables["params"], paths, "compute")
+            variables = {**variables, "params": params}
+        return self._run(
+            lambda: self.module.apply(variables, *args, method=method, mutable=mutable, **kwargs)
+        )
+
+    def _casts_own_weights(self, paths: _Paths, variables) -> bool:
         if self.reduce_dtype is None or "params" not in variables:
             return False
-        leaves, tree = jax.tree_util.tree_flatten_with_path(variables["params"])
-        if (key, tree) not in self._owns_weights:  # once per call signature and tree
-            plain = self._not_taken_over.get(key, set())
-            owners = {_owner(path_policies, _keys(path)[:-1]) for path, _ in leaves}
-            # 16 bits; a float8 policy's layers are left as they are (`_fp8_matmuls`).
-            self._owns_weights[(key, tree)] = any(
-                owner in plain and path_policies[owner].compute_dtype.itemsize == 2
-                for owner in owners
-            )
-        return self._owns_weights[(key, tree)]
+        leaves = jax.tree_util.tree_leaves_with_path(variables["params"])
+        owners = {paths.owner(_keys(path)[:-1]) for path, _ in leaves}
+        # 16 bits; a float8 policy's layers are left as they are (`_fp8_matmuls`).
+        return any(
+            owner in paths.not_taken_over and paths.policies[owner].compute_dtype.itemsize == 2
+            for owner in owners
+        )
+
+    def _plan(self, paths: _Paths, variables, ran: _Paths) -> tuple:
+        """What `paths` decide for a call: the route (`cast_at_use` or not), the output's
+        policy, and the dtype each parameter of a module that `ran` is cast to."""
+        params = variables.get("params", {})
+        modules = [_keys(p)[:-1] for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        targets = tuple(
+            None
+            if module in paths.cast_at_use
+            else casting_policy(paths.policy_of(module, self.policy)).compute_dtype
+            for module in modules
+            if module in ran.policies
+        )
+        return self._casts_own_weights(paths, variables), paths.policy_of((), self.policy), targets
 
 
 def _keys(path: tuple) -> tuple[str, ...]:
@@ -345,16 +379,43 @@ def _keys(path: tuple) -> tuple[str, ...]:
     return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
 
 
-def _owner(path_policies, param_path: tuple[str, ...]) -> tuple[str, ...] | None:
-    """The innermost recorded module above a parameter: the one that owns it."""
-    for cut in range(len(param_path), -1, -1):
-        if param_path[:cut] in path_policies:
-            return param_path[:cut]
-    return None
+def _params_and_rest(variables: dict) -> tuple[Any, dict]:
+    return variables.get("params", {}), {k: v for k, v in variables.items() if k != "params"}
 
 
 _TAKEN_OVER = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Embed)
 """Layers whose matmul (or lookup) `_weights_cast_inside` takes over."""
+
+
+@dataclasses.dataclass
+class _Paths:
+    """What a run of the model showed: the policy of each module path it reached, the paths
+    of Flax layers that cast their own parameters where they use them (a `promote_dtype`
+    field: their parameters are not cast before the call), and the paths of modules whose
+    matmuls are not taken over (not `_TAKEN_OVER`)."""
+
+    policies: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
+    cast_at_use: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
+    not_taken_over: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
+
+    def note(self, path: tuple[str, ...], module: nn.Module, policy: Policy) -> None:
+        self.policies[path] = policy
+        if "promote_dtype" in getattr(module, "__dataclass_fields__", {}):
+            self.cast_at_use.add(path)
+        if not isinstance(module, _TAKEN_OVER):
+            self.not_taken_over.add(path)
+
+    def owner(self, module_path: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The innermost recorded module at or above `module_path`: the one owning its
+        parameters."""
+        for cut in range(len(module_path), -1, -1):
+            if module_path[:cut] in self.policies:
+                return module_path[:cut]
+        return None
+
+    def policy_of(self, module_path: tuple[str, ...], default: Policy) -> Policy:
+        owner = self.owner(module_path)
+        return default if owner is None else self.policies[owner]
 
 
 def _carry_keeps_its_dtype(carry_in: Any, out: Any) -> Any:

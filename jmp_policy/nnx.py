@@ -27,7 +27,7 @@ from jmp_policy._compat import set_variable_value, variable_value
 from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed, recomputes
 from jmp_policy._pytree import signature
 from jmp_policy.autocast import cast_at_use
-from jmp_policy.census import trace, warn_float32_matmuls
+from jmp_policy.census import traced_once, warn_float32_matmuls
 from jmp_policy.fp8 import Fp8DotGeneral, float8_format, fp8_layer
 from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy.policy import (
@@ -63,9 +63,10 @@ class _AtUse:
     def __init__(self):
         self.programs: dict[Any, Any] = {}
 
-    def call(self, model, scoped, args, kwargs):
+    def call(self, model, scoped, args, kwargs, check: bool = False):
         """`scoped(model, *args, **kwargs)` with each weight cast where it is used, and the
-        model's state (batch statistics, RNG counts) updated as the call left it."""
+        model's state (batch statistics, RNG counts) updated as the call left it; `check`:
+        the program (traced once, the call's) checked for float32 matmuls first."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if graphdef not in self.programs:
 
@@ -75,9 +76,34 @@ class _AtUse:
                 return out, nnx.split(inner, nnx.Param, ...)[2]  # the state besides weights
 
             self.programs[graphdef] = cast_at_use(run)
-        out, state = self.programs[graphdef](params, rest, args, kwargs)
+        program = self.programs[graphdef]
+        if check:
+            _check(program.traced_program(params, rest, args, kwargs))
+        out, state = program(params, rest, args, kwargs)
         nnx.update(model, state)
         return out
+
+
+def _checked_call(model, scoped, args, kwargs):
+    """`scoped(model, *args, **kwargs)` traced once: the program checked for float32
+    matmuls and evaluated for the call (not run again), the model's state updated as the
+    call left it."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def run(params, rest, args, kwargs):
+        inner = nnx.merge(graphdef, params, rest)
+        out = scoped(inner, *args, **kwargs)
+        return out, nnx.split(inner, nnx.Param, ...)[2]  # the state besides weights
+
+    program, result = traced_once(run, params, rest, args, kwargs)
+    _check(program)
+    out, state = result()
+    nnx.update(model, state)
+    return out
+
+
+def _check(program: Any) -> None:
+    warn_float32_matmuls(program, "jmp_policy.nnx.mixed_precision", stacklevel=5)
 
 
 def _has_call(cls: type) -> bool:
@@ -119,21 +145,17 @@ def _subclass(cls: type, role: str) -> type:
             policy = self._jmp_policy_root
             args, kwargs = policy.cast_to_compute((args, kwargs))
             key = signature((args, kwargs))
-            if policy.compute_dtype != jnp.float32 and key not in self._jmp_policy_checked.seen:
-                self._jmp_policy_checked.seen.add(key)
-                graphdef, state = nnx.split(self)
-
-                def run(state, args, kwargs):
-                    return scoped(nnx.merge(graphdef, state), *args, **kwargs)
-
-                warn_float32_matmuls(
-                    trace(run, state, args, kwargs), "jmp_policy.nnx.mixed_precision"
-                )
+            # The first call with each signature runs the model once: the program it traces
+            # serves the float32-matmul check and the call.
+            check = policy.compute_dtype != jnp.float32 and key not in self._jmp_policy_checked.seen
+            self._jmp_policy_checked.seen.add(key)
             if self._jmp_policy_at_use is not None:
-                return policy.cast_to_output(
-                    self._jmp_policy_at_use.call(self, scoped, args, kwargs)
-                )
-            return policy.cast_to_output(scoped(self, *args, **kwargs))
+                out = self._jmp_policy_at_use.call(self, scoped, args, kwargs, check)
+            elif check:
+                out = _checked_call(self, scoped, args, kwargs)
+            else:
+                out = scoped(self, *args, **kwargs)
+            return policy.cast_to_output(out)
 
         _CLASSES[(base, role)] = type(
             base.__name__,

@@ -398,7 +398,7 @@ def test_apply_with_method_learns_that_methods_paths():
     # No dropout rng: learning the paths must run `embed_only`, not `__call__`.
     out = mixed.apply(variables, x, method="embed_only")
     assert out.dtype == jnp.float32
-    learnt = mixed._path_policies[next(iter(mixed._path_policies))]
+    learnt = mixed._path_policies[next(iter(mixed._path_policies))].policies
     assert ("norm",) not in learnt and ("embed",) in learnt
     # A function works too.
     out_fn = mixed.apply(variables, x, method=_WithMethod.embed_only)
@@ -461,3 +461,81 @@ def test_nnx_stacked_layers_under_scan_vmap_remat():
     report = jmp.loss_scaling_report(optimizer)
     assert (report.applied_steps, report.skipped_steps) == (3, 0)
     assert not jnp.array_equal(before, model.blocks.lin.kernel[...])
+
+
+class _Runs:
+    """A log Flax leaves as it is (a list field would be frozen into a tuple)."""
+
+    def __init__(self):
+        self.flags: list = []
+
+
+class _Counted(nn.Module):
+    """Logs the runs of its `__call__` (each is a trace under `jit`)."""
+
+    runs: _Runs
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        self.runs.flags.append(train)
+        h = nn.LayerNorm()(nn.Dense(8)(x))
+        return nn.Dense(2)(nn.Dropout(0.5, deterministic=not train)(h))
+
+
+def test_linen_first_call_runs_the_model_once():
+    """After `init` (the usual way: a TrainState made from it), the first call of each
+    signature traces the model once: that program is checked for float32 matmuls and is
+    the call. A later signature with other flags (train=True) is one run too."""
+    runs = _Runs()
+    mixed = jmp.linen.mixed_precision(_Counted(runs), "mixed_float16")
+    x = jnp.ones((4, 6))
+    variables = mixed.init(jax.random.key(0), x)
+    runs.flags.clear()
+    out = jax.jit(lambda v, x: mixed.apply(v, x))(variables, x)
+    assert runs.flags == [False] and out.dtype == jnp.float32
+    runs.flags.clear()
+    rngs = {"dropout": jax.random.key(1)}
+    jax.jit(lambda v, x: mixed.apply(v, x, train=True, rngs=rngs))(variables, jnp.ones((8, 6)))
+    assert runs.flags == [True]
+    # The same results as a model that learnt its paths in a recording run first.
+    fresh = jmp.linen.mixed_precision(_Counted(_Runs()), "mixed_float16")
+    np.testing.assert_array_equal(fresh.apply(variables, x), mixed.apply(variables, x))
+
+
+def test_linen_paths_from_an_earlier_run_are_checked_against_the_call():
+    """The paths a first call borrows from an earlier run are checked against the modules
+    the call ran: a wrong borrowed policy is caught and the call traced again with the
+    right one (the LayerNorm's parameters stay float32 for its float32 island)."""
+    mixed = jmp.linen.mixed_precision(_Counted(_Runs()), "mixed_float16")
+    x = jnp.ones((4, 6))
+    variables = mixed.init(jax.random.key(0), x)
+    right = jmp.linen.mixed_precision(_Counted(_Runs()), "mixed_float16").apply(variables, x)
+    (record,) = mixed._path_policies.values()
+    record.policies[("LayerNorm_0",)] = jmp.get_policy("mixed_float16")  # a wrong borrowed policy
+    jaxpr = jax.make_jaxpr(lambda v: mixed.apply(v, x))(variables)
+    scale = variables["params"]["LayerNorm_0"]["scale"]
+    assert not any(
+        e.primitive.name == "convert_element_type" and e.invars[0].aval.shape == scale.shape
+        for e in jaxpr.jaxpr.eqns
+    ), "the LayerNorm's parameters were cast to float16"
+    np.testing.assert_array_equal(mixed.apply(variables, x), right)
+    assert mixed._path_policies[next(iter(mixed._path_policies))].policies[
+        ("LayerNorm_0",)
+    ] == jmp.get_policy("float32")
+
+
+def test_nnx_first_call_runs_the_model_once():
+    runs = _Runs()
+
+    class Counted(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(6, 8, rngs=rngs)
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+        def __call__(self, x):
+            runs.flags.append(x.shape)
+            return self.norm(self.up(x))
+
+    model = jmp.nnx.mixed_precision(Counted(nnx.Rngs(0)), "mixed_float16")
+    out = nnx.jit(lambda m, x: m(x))(model, jnp.ones((4, 6)))
+    assert runs.flags == [(4, 6)] and out.dtype == jnp.float32
