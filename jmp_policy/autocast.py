@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -39,8 +39,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jmp_policy import _naming
-from jmp_policy._compat import DropVar, bind_params, jaxprs_in_params
+from jmp_policy import _jaxpr, _naming
+from jmp_policy._compat import jaxprs_in_params
 from jmp_policy._pytree import is_traced_leaf
 from jmp_policy.activations import (
     ACTIVATION,
@@ -65,13 +65,10 @@ from jmp_policy.matmul import check_accumulate_dtype, check_reduce_dtype, mixed
 from jmp_policy.overrides import FULL_PRECISION_REGION
 from jmp_policy.policy import Policy, casting_policy, check_policy
 
-try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
-    from jax._src import source_info_util as _source_info
-except ImportError:  # pragma: no cover
-    _source_info = None
-
-ALLOW = frozenset({"dot_general", "conv_general_dilated", "ragged_dot"})
-"""Primitives that run in the compute dtype (torch.amp's "lower precision" list)."""
+ALLOW = _jaxpr.matmul_names()
+"""Primitives that run in the compute dtype (torch.amp's "lower precision" list): the matmuls
+of `_jaxpr.MATMULS` by their names in the installed JAX (`dot_general`,
+`conv_general_dilated`, and `ragged_dot_general`, what `lax.ragged_dot` binds)."""
 
 DENY = frozenset(
     {
@@ -126,10 +123,6 @@ NO_HALF_KERNEL = frozenset(
 )
 """Primitives that always run in float32: they have no half-precision kernel."""
 
-# Primitives whose bodies are rewritten by rebuilding them with public APIs.
-_STRUCTURAL = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "scan", "while", "cond", "remat2", "checkpoint"}
-)
 # Regions made by autocast/full_precision: kept as they are when nested.
 _REGION_NAMES = ("jmp_autocast_region", "jmp_full_precision_region", "jmp_cast_at_use")
 _CAST_AT_USE = "jmp_cast_at_use"
@@ -234,20 +227,8 @@ def _widest(dtypes: list) -> Any:
     return max(dtypes, key=lambda d: jnp.finfo(d).bits)
 
 
-def _bind(eqn: Any, invals: list, **param_updates) -> list:
-    # As jax.core.eval_jaxpr does; keeping the equation's name stack means the
-    # rewritten program still says which (Flax) module each op belongs to.
-    subfuns, params = bind_params(eqn.primitive, {**eqn.params, **param_updates})
-    with _source_context(eqn):
-        outs = eqn.primitive.bind(*subfuns, *invals, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
-def _source_context(eqn: Any):
-    if _source_info is None:
-        return contextlib.nullcontext()
-    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-    return _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack)
+_bind = _jaxpr.bind
+_source_context = _jaxpr.source_context
 
 
 # The kinds (`jmp_policy.activations`) of the float32 values computed so far, one record per
@@ -308,25 +289,9 @@ def _kinds(values: Iterable) -> list:
 
 
 def _eval_jaxpr(jaxpr: Any, consts: list, args: list, rules: _Rules) -> list:
-    env: dict = {}
-
-    def read(v):
-        if isinstance(v, jcore.Literal):
-            dtype = getattr(v.aval, "dtype", None)
-            return v.val if dtype is None else np.asarray(v.val, dtype)
-        return env[v]
-
-    for var, value in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = value
-    for var, value in zip(jaxpr.invars, args, strict=True):
-        env[var] = value
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        outs = _eval_equation(eqn, invals, rules)
-        for var, value in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, DropVar):
-                env[var] = value
-    return [read(v) for v in jaxpr.outvars]
+    return _jaxpr.evaluate(
+        jaxpr, consts, args, lambda eqn, invals: _eval_equation(eqn, invals, rules)
+    )
 
 
 def _eval_closed(closed: Any, args: list, rules: _Rules) -> list:
@@ -335,23 +300,23 @@ def _eval_closed(closed: Any, args: list, rules: _Rules) -> list:
 
 def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
     name = eqn.primitive.name
-    if name in _STRUCTURAL:
+    if eqn.primitive in _jaxpr.STRUCTURAL or _jaxpr.is_call(eqn):
         return _eval_structural(eqn, invals, rules)
     if rules.at_use:
         return _eval_cast_at_use(eqn, invals)
+    if eqn.primitive in _jaxpr.CUSTOM_DERIVATIVES:
+        outs = _eval_custom_derivative(eqn, _cast_like_avals(invals, _avals(eqn.invars)), rules)
+        _record(outs, combined(_kinds(invals)))
+        return outs
     has_subprogram = bool(list(jaxprs_in_params(eqn.params)))
-    if (
-        has_subprogram
-        or name in ("custom_jvp_call", "custom_vjp_call", "bitcast_convert_type")
-        or ("callback" in name)
-    ):
+    if has_subprogram or name == "bitcast_convert_type" or ("callback" in name):
         if name == "shard_map":
             raise NotImplementedError(
                 "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
                 "function instead (shard_map(autocast(f, policy), ...))."
             )
-        # Run as traced: custom derivative rules and typed callbacks stay exact.
-        outs = _bind(eqn, _cast_like_avals(invals, [v.aval for v in eqn.invars]))
+        # Run as traced: typed callbacks stay exact.
+        outs = _bind(eqn, _cast_like_avals(invals, _avals(eqn.invars)))
         _record(outs, combined(_kinds(invals)))
         return outs
     floating = [i for i, x in enumerate(invals) if _is_float(x)]
@@ -576,7 +541,7 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
     if rules.fp8 and name == "dot_general" and name in rules.allow and len(floating) == 2:
         lhs, rhs = invals
         dimension_numbers = eqn.params["dimension_numbers"]
-        outer = "" if _source_info is None else str(_source_info.current_name_stack())
+        outer = _jaxpr.current_name_stack()
         where = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
         scaling, fmt = rules.fp8
         if fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, fmt) is None and (
@@ -641,10 +606,85 @@ def _meeting(x: Any, target: Any, shape: tuple | None) -> Any:
     return _cast(x, target)
 
 
+def _avals(variables: Iterable) -> list:
+    return [v.aval for v in variables]
+
+
+def _rewritten(fun: Callable[..., list], args: Sequence[Any], rules: _Rules) -> list:
+    """`fun(*args)` traced and run by the rules, its outputs in the dtypes it was traced
+    with."""
+    closed = jax.make_jaxpr(fun)(*args)
+    return _cast_like_avals(_eval_closed(closed, list(args), rules), closed.out_avals)
+
+
+def _eval_custom_derivative(eqn: Any, invals: list, rules: _Rules) -> list:
+    """A `jax.custom_jvp`/`jax.custom_vjp` function (`invals` in the dtypes it was traced
+    with), as torch.amp runs a custom autograd function: its computation by the rules (its
+    matmuls in the compute dtype), and the derivative rule as the user wrote it, on values in
+    the dtypes it was written for. Rebuilt with the public APIs from JAX's own derivative of
+    the equation: `custom_jvp`'s rule traced by `jax.jvp` and run by the rules, its outputs
+    cast back; `custom_vjp`'s forward pass (`jax.vjp`: the outputs and the residuals the
+    backward pass keeps) run by the rules and cast back, and its backward pass run as
+    written on those residuals."""
+    n_out = len(eqn.outvars)
+    body = _jaxpr.inlined_body(eqn)  # the function's own program
+
+    def original(*args: Any) -> list:
+        return _bind(eqn, list(args))
+
+    def primal(*args: Any) -> list:
+        outs = _eval_closed(body, list(args), rules)
+        return _cast_like_avals(outs, _avals(eqn.outvars))
+
+    if eqn.primitive is _jaxpr.CUSTOM_JVP:
+
+        @jax.custom_jvp
+        def with_jvp(*args):
+            return primal(*args)
+
+        @with_jvp.defjvp
+        def _(primals, tangents):
+            n = len(primals)
+
+            def jvp(*both):
+                outs, tangents_out = jax.jvp(original, both[:n], both[n:])
+                return [*outs, *tangents_out]
+
+            # Plain matmuls (not `matmul.mixed`, a custom_vjp): a custom_jvp rule's tangents
+            # must stay transposable.
+            linear = dataclasses.replace(rules, reduce=False, accumulate=None)
+            outs = _rewritten(jvp, [*primals, *tangents], linear)
+            return outs[:n_out], outs[n_out:]
+
+        return list(with_jvp(*invals))
+
+    pullback: list = []  # the tree of `jax.vjp`'s function: its leaves are the residuals
+
+    def forward(*args: Any) -> list:
+        outs, vjp = jax.vjp(original, *args)
+        residuals, tree = jax.tree.flatten(vjp)
+        pullback[:] = [tree]
+        return [*outs, *residuals]
+
+    @jax.custom_vjp
+    def fun(*args):
+        return primal(*args)
+
+    def fwd(*args):
+        outs = _rewritten(forward, args, rules)
+        return outs[:n_out], outs[n_out:]
+
+    def bwd(residuals, cotangents):
+        return tuple(jax.tree.unflatten(pullback[0], residuals)(list(cotangents)))
+
+    fun.defvjp(fwd, bwd)
+    return list(fun(*invals))
+
+
 def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
-    name, params = eqn.primitive.name, eqn.params
-    if name in ("jit", "pjit", "closed_call", "core_call"):
-        inner = params.get("jaxpr", params.get("call_jaxpr"))
+    params = eqn.params
+    if _jaxpr.is_call(eqn):
+        inner = _jaxpr.inlined_body(eqn)
         if params.get("name", "").startswith(_REGION_NAMES):
             return _bind(eqn, _cast_like_avals(invals, inner.in_avals))
         return (
@@ -653,16 +693,16 @@ def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
             else _eval_jaxpr(inner, [], invals, rules)
         )
     # The loop or branch keeps its place in the name stack (its body's are relative to it).
-    if name == "scan":
+    if eqn.primitive is _jaxpr.SCAN:
         with _source_context(eqn):
             return _eval_scan(params, invals, rules)
-    if name == "while":
+    if eqn.primitive is _jaxpr.WHILE:
         with _source_context(eqn):
             return _eval_while(params, invals, rules)
-    if name == "cond":
+    if eqn.primitive is _jaxpr.COND:
         with _source_context(eqn):
             return _eval_cond(params, invals, rules)
-    # remat2 / checkpoint: an open jaxpr without consts.
+    # `jax.checkpoint` (`_jaxpr.REMAT`): an open jaxpr without consts.
     body = functools.partial(_eval_jaxpr, params["jaxpr"], [], rules=rules)
 
     wide = _wide_sources(rules, invals)

@@ -24,13 +24,16 @@ import numpy as np
 from jax.core import eval_jaxpr
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from jmp_policy import _jaxpr, _naming
 from jmp_policy._compat import jaxprs_in_params
 from jmp_policy._pytree import split_traced
 from jmp_policy.block_scaled import SCOPE
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
 from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 
-MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+MATMULS = _jaxpr.matmul_names()
+"""The names of the matmul primitives (`_jaxpr.MATMULS`): dot_general, conv_general_dilated,
+and the ragged dot (`lax.ragged_dot`'s primitive)."""
 BLOCK_GEMMS = frozenset({"scaled_matmul_wrapper", "scaled_matmul"})
 """JAX's block-scaled GEMM (`jax.nn.scaled_matmul`, which `jax.nn.scaled_dot_general` calls):
 operands `(B, M, K)` and `(B, N, K)` of quantized values, and their blocks' scales."""
@@ -38,18 +41,9 @@ _BLOCK_VALUES = {"float8_e4m3fn": "mxfp8", "float8_e5m2": "mxfp8", "float4_e2m1f
 
 
 def iter_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[JaxprEqn]:
-    """Yields every equation of a (closed) jaxpr, nested programs included."""
-    for eqn, _ in _weighted_equations(jaxpr):
+    """Yields every equation of a (closed) jaxpr, nested programs included (`_jaxpr.walk`)."""
+    for eqn, _ in _jaxpr.walk(jaxpr):
         yield eqn
-
-
-def _within(eqn: JaxprEqn, outer: JaxprEqn | None) -> JaxprEqn:
-    """`eqn` with its module path in full: a nested program's equations (a scan body, a
-    `custom_vjp`'s forward) name their modules relative to the equation holding them."""
-    if outer is None or not str(outer.source_info.name_stack):
-        return eqn
-    stack = outer.source_info.name_stack + eqn.source_info.name_stack
-    return eqn.replace(source_info=eqn.source_info.replace(name_stack=stack))
 
 
 def _aval(var: Any) -> Any:
@@ -91,29 +85,22 @@ def _matmul_shape_info(eqn: JaxprEqn) -> tuple[int, list[int], list[int]]:
     lhs, rhs = _aval(eqn.invars[0]).shape, _aval(eqn.invars[1]).shape
     if eqn.primitive.name in BLOCK_GEMMS:  # (B, M, K) x (B, N, K)
         return 2 * _prod(out_shape) * lhs[-1], [lhs[-1]], [lhs[-2], rhs[-2]]
-    if eqn.primitive.name == "conv_general_dilated":
+    if eqn.primitive is _jaxpr.CONV:
         rhs_spec = eqn.params["dimension_numbers"].rhs_spec
         in_features, out_features = rhs[rhs_spec[1]], rhs[rhs_spec[0]]
         window = _prod(rhs[d] for d in rhs_spec[2:])
         return 2 * _prod(out_shape) * in_features * window, [in_features], [out_features]
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    groups: tuple = ()
+    if eqn.primitive is _jaxpr.RAGGED_DOT:  # each row of lhs meets one group of rhs
+        ragged = eqn.params["ragged_dot_dimension_numbers"]
+        numbers, groups = ragged.dot_dimension_numbers, tuple(ragged.rhs_group_dimensions)
+    else:
+        numbers = eqn.params["dimension_numbers"]
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = numbers
     k = _prod(lhs[d] for d in lhs_contract)
     m = _prod(lhs[d] for d in range(len(lhs)) if d not in (*lhs_contract, *lhs_batch))
-    n = _prod(rhs[d] for d in range(len(rhs)) if d not in (*rhs_contract, *rhs_batch))
+    n = _prod(rhs[d] for d in range(len(rhs)) if d not in (*rhs_contract, *rhs_batch, *groups))
     return 2 * _prod(out_shape) * k, [k], [m, n]
-
-
-def _weighted_equations(
-    jaxpr: Jaxpr | ClosedJaxpr, times: int = 1, outer: JaxprEqn | None = None
-) -> Iterator[tuple[JaxprEqn, int]]:
-    """Like `iter_equations`, with how often each runs (scan bodies: `length` times)."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        eqn = _within(eqn, outer)
-        yield eqn, times
-        inner = times * eqn.params["length"] if eqn.primitive.name == "scan" else times
-        for sub in jaxprs_in_params(eqn.params):
-            yield from _weighted_equations(sub, inner, eqn)
 
 
 HALF = ("float16", "bfloat16")
@@ -211,9 +198,7 @@ class PrecisionReport:
 
 
 def _convert_count(jaxpr: Jaxpr | ClosedJaxpr) -> int:
-    return sum(
-        t for e, t in _weighted_equations(jaxpr) if e.primitive.name == "convert_element_type"
-    )
+    return sum(t for e, t in _jaxpr.walk(jaxpr) if e.primitive.name == "convert_element_type")
 
 
 def _block_format(eqn: JaxprEqn, stack: str | None = None) -> str | None:
@@ -239,9 +224,9 @@ def report_of_jaxpr(
     """
     totals: dict = collections.defaultdict(lambda: [0, 0])
     misaligned, half_flops, fp8_flops, all_flops, not_fp8 = [], 0, 0, 0, []
-    for eqn, times in _weighted_equations(jaxpr):
+    for eqn, times in _jaxpr.walk(jaxpr):
         if list(jaxprs_in_params(eqn.params)):
-            continue  # a container (pjit, scan, ...): its body is counted instead
+            continue  # a container (jit, scan, ...): its body is counted instead
         dtype = compute_dtype(eqn)
         if dtype is None:
             continue
@@ -345,8 +330,10 @@ def _why_float32(eqn: JaxprEqn, producers: dict, inputs: set) -> str:
 
 
 def module_path_of(name_stack: str) -> str:
-    """A name stack as a module path, without the override marker."""
-    return "/".join(p for p in name_stack.split("/") if p and p != FLOAT32_ISLAND)
+    """A name stack as a module path (`_jaxpr.module_path`, the override marker and region
+    names left out; "" for none)."""
+    path = _jaxpr.module_path(name_stack, (FLOAT32_ISLAND, FULL_PRECISION_REGION))
+    return "" if path == _jaxpr.TOP_LEVEL else path
 
 
 class PrecisionWarning(UserWarning):
@@ -397,7 +384,9 @@ def precision_report(
     """Reports where `fun(*args, **kwargs)` does its work, by primitive and dtype.
 
     Args:
-      fun: the function to trace (nothing runs), e.g. `autocast(loss, policy)`.
+      fun: the function to trace (nothing runs), e.g. `autocast(loss, policy)`. Where it
+        calls NNX or Equinox modules, the report names them by their paths (`MLP/layers/0`),
+        as the precision debugger does.
       *args: example arguments (arrays or `jax.ShapeDtypeStruct`); other leaves
         (functions, flags) are passed through as they are.
       original: the function before casts (e.g. the un-autocast loss), to count
@@ -419,9 +408,11 @@ def precision_report(
       >>> report.counts["dot_general"], report.total("float16")
       ({'float16': 1}, 3)
     """
-    return report_of_jaxpr(
-        trace(fun, *args, **kwargs), None if original is None else trace(original, *args, **kwargs)
-    )
+    # NNX and Equinox modules are named by their paths, as the precision debugger names them.
+    with _naming.module_names():
+        program = trace(fun, *args, **kwargs)
+        before = None if original is None else trace(original, *args, **kwargs)
+    return report_of_jaxpr(program, before)
 
 
 def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ClosedJaxpr:

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import pathlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,27 +26,14 @@ from jax.core import eval_jaxpr
 from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
-from jmp_policy import _naming
-from jmp_policy._compat import DropVar, bind_params, jaxprs_in_params
+from jmp_policy import _jaxpr, _naming
+from jmp_policy._compat import jaxprs_in_params
 from jmp_policy._pytree import is_traced_leaf, register_state, split_traced
 from jmp_policy._validation import is_library_file
 from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 from jmp_policy.policy import is_floating_array
 
-_CALLS = {
-    "pjit",
-    "jit",
-    "closed_call",
-    "core_call",
-    "remat",
-    "remat2",
-    "checkpoint",
-    "custom_jvp_call",
-    "custom_vjp_call",
-    "custom_vjp_call_jaxpr",
-}
-_MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot"}
-TOP_LEVEL = "(top level)"
+TOP_LEVEL = _jaxpr.TOP_LEVEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +221,8 @@ class PrecisionDebugReport:
             float32; `autocast` runs sums, exp and log there; a model output cast to
             float32 (`output_dtype`) keeps the loss there.
           - loss_scale: `initial`, the largest power of two that keeps one doubling of
-            headroom on every gradient the policy holds in the target dtype (where dynamic
+            headroom on every gradient the policy holds in the target dtype once these
+            overrides are applied (a layer they move to float32 is not judged; where dynamic
             loss scaling settles, within a doubling or two: scaled float32 gradients do not
             overflow), and `hysteresis` 2 when the gradients span more
             binades than the target dtype can hold (some will underflow at any scale, so
@@ -248,7 +236,7 @@ class PrecisionDebugReport:
 
         lossy: dict[str, set[str]] = {}  # layer -> operations losing more than one rounding
         for e in self.op_errors:
-            if e.error > 1.0 and e.primitive not in _MATMULS:
+            if e.error > 1.0 and e.primitive not in _jaxpr.matmul_names():
                 lossy.setdefault(e.layer, set()).add(e.primitive)
         judged = self.shown_layers
         overrides = {
@@ -268,7 +256,19 @@ class PrecisionDebugReport:
             for layer, ops in lossy.items()
             if (layer == TOP_LEVEL or holds_matmuls(layer)) and _module_path(layer) not in overrides
         }
-        backward = [s for s in judged if s.direction == "backward" and s.amax > 0]
+
+        def overridden(layer: str) -> bool:
+            path = _module_path(layer)
+            return any(path == o or path.startswith(o + "/") for o in overrides)
+
+        # The gradients that stay in the target dtype once these overrides are applied.
+        backward = [
+            s
+            for s in judged
+            if s.direction == "backward"
+            and s.amax > 0
+            and (s.layer == TOP_LEVEL or not overridden(s.layer))
+        ]
         if backward:
             amax = max(s.amax for s in backward)  # gradients of the unscaled loss
             initial = 2.0 ** math.floor(math.log2(float(finfo.max) / 2 / amax))
@@ -317,12 +317,7 @@ class PrecisionDebugReport:
         return path
 
 
-def _module_path(layer: str) -> str:
-    """A name-stack layer as an overrides path: without the root module's own name."""
-    parts = layer.split("/")
-    return "/".join(parts[1:]) if len(parts) > 1 else layer
-
-
+_module_path = _jaxpr.relative
 # Name-stack parts that are not modules (JAX names a remat's recomputation `rematted_computation`).
 _MARKERS = (FLOAT32_ISLAND, FULL_PRECISION_REGION, "rematted_computation")
 _WRAPPERS = re.compile(r"^(?:[a-z_]+\()+")  # transpose(, jvp(, vmap(: transforms, not modules
@@ -330,21 +325,7 @@ _WRAPPERS = re.compile(r"^(?:[a-z_]+\()+")  # transpose(, jvp(, vmap(: transform
 
 def _layer_and_direction(name_stack: str, gradient: bool | None = None) -> tuple[str, str]:
     backward = "transpose(" in name_stack if gradient is None else gradient
-    parts = []
-    for part in name_stack.split("/"):
-        part = _WRAPPERS.sub("", part).rstrip(")")
-        # Keep module names (Flax's); drop einsum specs, op names XLA added and
-        # the float32-override marker of the Flax integrations.
-        # NNX list indices (`layers/0/attn`) are path parts too.
-        # Equinox's own scopes ("eqx.nn.Linear") name a class, its field path is named instead.
-        if (
-            part
-            and part not in _MARKERS
-            and not part.startswith("eqx.")
-            and re.fullmatch(r"[A-Za-z_][\w.\-]*|\d+", part)
-        ):
-            parts.append(part)
-    return ("/".join(parts) or TOP_LEVEL), ("backward" if backward else "forward")
+    return _jaxpr.module_path(name_stack, _MARKERS), ("backward" if backward else "forward")
 
 
 def _once(name_stack: str) -> str:
@@ -449,18 +430,16 @@ class _Accumulator:
             into = self.dtype
         if not any(change):
             return None
-        subfuns, params = bind_params(eqn.primitive, eqn.params)
-        params = dict(params)
-        if params.get("preferred_element_type") is not None:
-            params["preferred_element_type"] = into
+        updates = {}
+        if eqn.params.get("preferred_element_type") is not None:
+            updates["preferred_element_type"] = into
         cast = [
             jnp.asarray(v).astype(into) if c else v for v, c in zip(invals, change, strict=True)
         ]
         try:
-            rerun = eqn.primitive.bind(*subfuns, *cast, **params)
+            return _jaxpr.bind(eqn, cast, **updates)
         except (TypeError, ValueError, NotImplementedError):
             return None  # no kernel in the target dtype: autocast runs such ops in float32
-        return list(rerun) if eqn.primitive.multiple_results else [rerun]
 
     def op_error(
         self,
@@ -473,7 +452,7 @@ class _Accumulator:
     ) -> None:
         """How much accuracy `eqn` loses in the target dtype, against float32, from `rerun`
         (`self.rerun`'s result). Inside a float32 island nothing is judged."""
-        if eqn.primitive.name in _MATMULS:
+        if _jaxpr.is_matmul(eqn):
             self.matmul_layers.add(layer)
         if island is not None:
             if island:
@@ -554,11 +533,42 @@ def _relative_error(full: list, low: list, unit_roundoff: float, mask_edge: floa
     return error
 
 
+def _hoisted(layers: Iterable[str]) -> dict[str, str]:
+    """{name: full name} for the layers named relative to a loop: JAX moves a loop body's
+    operations that do not depend on the loop (e.g. a weight's transpose) out of it, keeping
+    their names relative to the loop (`cell` for `RNN/cell`). Each is the one layer whose
+    name ends with it; where there is none, or more than one, it keeps its name."""
+    names = set(layers) - {TOP_LEVEL}
+    found = {}
+    for name in names:
+        holders = [n for n in names if n.endswith("/" + name)]
+        if len(holders) == 1:
+            found[name] = holders[0]
+    return found
+
+
+def _renamed(layers: Iterable[str], hoisted: dict[str, str]) -> tuple[str, ...]:
+    return tuple(sorted({hoisted.get(layer, layer) for layer in layers}))
+
+
+# How each column of the raw statistics combines: counts and magnitudes add, amax and min>0
+# take the larger and the smaller.
+_COLUMNS = (sum, max, min) + (sum,) * 6
+
+
 def _layer_stats(raw: dict, largest: float, loss_scale: float) -> tuple[LayerStats, ...]:
     """`LayerStats` from accumulated
-    `[count, amax, min>0, under, over, nonzero, non-finite, underflowing magnitude, magnitude]`."""
-    out = []
+    `[count, amax, min>0, under, over, nonzero, non-finite, underflowing magnitude, magnitude]`,
+    a layer named relative to a loop counted in its full name (`_hoisted`)."""
+    hoisted = _hoisted(layer for layer, _ in raw)
+    merged: dict[tuple[str, str], list] = {}
     for (layer, direction), columns in raw.items():
+        key: tuple[str, str] = (hoisted[layer] if layer in hoisted else layer, direction)
+        if key in merged:
+            columns = [f((a, b)) for f, a, b in zip(_COLUMNS, merged[key], columns, strict=True)]
+        merged[key] = list(columns)
+    out = []
+    for (layer, direction), columns in merged.items():
         count, amax, low, under, over, nonzero, bad, lost, mass = columns
         scale = loss_scale if direction == "backward" else 1.0
         headroom = math.log2(largest / (amax * scale)) if amax > 0 else math.inf
@@ -610,12 +620,8 @@ class _Interpreter:
         `literal` says which `args` come from literals alone. `self.flags_out` says, for each
         output, (carries the seed, comes from literals alone).
         """
-        env: dict = {}
         seeded: set = set()  # variables that carry the pullback's seed
         constant: set = set()  # variables computed from literals alone
-
-        def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
 
         def flags(v) -> tuple[bool, bool]:
             if isinstance(v, jcore.Literal):
@@ -629,54 +635,37 @@ class _Interpreter:
                 if const:
                     constant.add(v)
 
-        for var, value in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = value
-        for var, value in zip(jaxpr.invars, args, strict=True):
-            env[var] = value
         mark(
             jaxpr.invars,
             zip(cotangent or [False] * len(args), literal or [False] * len(args), strict=True),
         )
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
+
+        def rule(eqn: Any, invals: list) -> list:
             in_flags = [flags(v) for v in eqn.invars]
             gradient = any(f[0] for f in in_flags) if cotangent is not None else None
             from_literals = all(f[1] for f in in_flags)
             own = _once(str(eqn.source_info.name_stack))
             here = "/".join(p for p in (stack, own) if p)
-            sub = None
-            if eqn.primitive.name in _CALLS:
-                sub = next(
-                    (
-                        eqn.params[k]
-                        for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
-                        if k in eqn.params
-                    ),
-                    None,
-                )
-            structured = None
+            sub = _jaxpr.inlined_body(eqn)
             if sub is not None:
                 if eqn.params.get("name") == FULL_PRECISION_REGION:
                     here = f"{here}/{FULL_PRECISION_REGION}"  # `autocast.full_precision`
                 n = len(getattr(sub, "jaxpr", sub).invars)
                 outs = self.call(sub, invals[:n], in_flags[:n], here, cotangent is not None)
                 mark(eqn.outvars, self.flags_out)
-            elif (
-                structured := self._structured(eqn, invals, in_flags, here, cotangent is not None)
-            ) is not None:
-                outs = structured
+                return outs
+            structured = self._structured(eqn, invals, in_flags, here, cotangent is not None)
+            if structured is not None:
                 mark(eqn.outvars, self.flags_out)
-            else:
-                subfuns, params = bind_params(eqn.primitive, eqn.params)
-                outs = eqn.primitive.bind(*subfuns, *invals, **params)
-                outs = list(outs) if eqn.primitive.multiple_results else [outs]
-                self._record(eqn, here, invals, outs, gradient, from_literals)
-                mark(eqn.outvars, [(bool(gradient), from_literals)] * len(eqn.outvars))
-            for var, value in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(var, DropVar):
-                    env[var] = value
+                return structured
+            outs = _jaxpr.bind(eqn, invals)
+            self._record(eqn, here, invals, outs, gradient, from_literals)
+            mark(eqn.outvars, [(bool(gradient), from_literals)] * len(eqn.outvars))
+            return outs
+
+        outs = _jaxpr.evaluate(jaxpr, consts, args, rule)
         self.flags_out = [flags(v) for v in jaxpr.outvars]
-        return [read(v) for v in jaxpr.outvars]
+        return outs
 
     def call(
         self,
@@ -841,7 +830,7 @@ class _Collector(_Interpreter):
         cond_consts, body_consts, carry = invals[:cc], invals[cc : cc + bc], invals[cc + bc :]
         if where not in self.trip_counts:
             # Not known yet: run it whole, with a counter, for the next run of the program.
-            outs = eqn.primitive.bind(*bind_params(eqn.primitive, eqn.params)[0], *invals, **p)
+            outs = _jaxpr.bind(eqn, invals)
             self.pending[where] = self._keep(_trip_count(p, cond_consts, body_consts, carry))[1]
             self.flags_out = list(in_flags[cc + bc :])  # this run is not recorded
             return list(outs)
@@ -1046,10 +1035,16 @@ def debug_precision(
             break
         trip_counts.update({k: int(kept[i]) for k, i in collector.pending.items()})
     host = collector.replay(kept)
+    hoisted = _hoisted(layer for layer, _ in acc.stats)
     origin = host.origin
     if origin is not None:
-        origin = dataclasses.replace(origin, passed_on=host.passed_on)
-    measured = [OpError(layer, op, error) for (layer, op), error in acc.op_errors.items()]
+        layer = hoisted.get(origin.layer, origin.layer)
+        origin = dataclasses.replace(origin, layer=layer, passed_on=host.passed_on)
+    errors: dict[tuple[str, str], float] = {}
+    for (layer, op), error in acc.op_errors.items():
+        key = (hoisted.get(layer, layer), op)
+        errors[key] = max(error, errors.get(key, 0.0))
+    measured = [OpError(layer, op, error) for (layer, op), error in errors.items()]
     op_errors = tuple(sorted(measured, key=lambda e: -e.error))
     return PrecisionDebugReport(
         dtype=target.name,
@@ -1059,10 +1054,10 @@ def debug_precision(
         nonfinite_inputs=bad_inputs,
         loss=float(np.asarray(outs[0])),
         op_errors=op_errors,
-        matmul_layers=tuple(sorted(acc.matmul_layers)),
+        matmul_layers=_renamed(acc.matmul_layers, hoisted),
         judged="target" if under_policy else "all",
         target_layers=acc.layers(target=True),
-        float32_layers=tuple(sorted(acc.float32_layers)),
+        float32_layers=_renamed(acc.float32_layers, hoisted),
     )
 
 
@@ -1163,6 +1158,7 @@ class PrecisionStats:
         ]
         raw = {key: [float(c[i]) for c in columns] for i, key in enumerate(self.keys)}
         largest = float(jnp.finfo(self.dtype).max)
+        hoisted = _hoisted(k[0] for k in raw)
         return PrecisionDebugReport(
             dtype=self.dtype,
             loss_scale=1.0,
@@ -1170,12 +1166,12 @@ class PrecisionStats:
             origin=None,
             nonfinite_inputs=(),
             loss=float(loss),
-            matmul_layers=self.matmul_layers,
+            matmul_layers=_renamed(self.matmul_layers, hoisted),
             judged=self.judged,
             target_layers=_layer_stats(
                 {k[:2]: v for k, v in raw.items() if len(k) == 3}, largest, 1.0
             ),
-            float32_layers=self.float32_layers,
+            float32_layers=_renamed(self.float32_layers, hoisted),
         )
 
 
@@ -1210,7 +1206,7 @@ class _InProgram(_Interpreter):
         island = _float32_island(stack)
         if island:
             self.float32_layers.add(island)
-        if key[1] == "forward" and eqn.primitive.name in _MATMULS:
+        if key[1] == "forward" and _jaxpr.is_matmul(eqn):
             self.matmul_layers.add(key[0])
         for value in outs:
             if is_floating_array(value) and value.size:

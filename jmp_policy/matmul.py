@@ -40,13 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jcore
 
-from jmp_policy._compat import DropVar, bind_params
+from jmp_policy import _jaxpr
 from jmp_policy.activations import WEIGHT, kind_of_dtype, meet, weight_at_use
 from jmp_policy.policy import normalise_dtype
-
-_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def _floating(x: Any) -> bool:
@@ -60,25 +57,13 @@ def _cast(x: Any, dtype: np.dtype) -> Any:
 def _eval_with_output(closed: Any, out_dtype: np.dtype | None, *args: Any) -> list:
     """Evaluates `closed` (a jaxpr of one backward matmul and its reshapes) with the matmul's
     `preferred_element_type` set to `out_dtype`: JAX's own transpose rule, accumulated wider."""
-    jaxpr, env = closed.jaxpr, {}
 
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
+    def rule(eqn: Any, invals: list) -> list | None:
+        if not _jaxpr.is_matmul(eqn) or out_dtype is None:
+            return None
+        return _jaxpr.bind(eqn, _runnable(invals, out_dtype), preferred_element_type=out_dtype)
 
-    env.update(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        params, invals = dict(eqn.params), list(map(read, eqn.invars))
-        if eqn.primitive.name in _MATMULS and out_dtype is not None:
-            params["preferred_element_type"] = out_dtype
-            invals = _runnable(invals, out_dtype)
-        subfuns, params = bind_params(eqn.primitive, params)
-        outs = eqn.primitive.bind(*subfuns, *invals, **params)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        for var, value in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, DropVar):
-                env[var] = value
-    return [read(v) for v in jaxpr.outvars]
+    return _jaxpr.evaluate_closed(closed, args, rule)
 
 
 def _runnable(operands: list, out_dtype: np.dtype | None) -> list:

@@ -269,9 +269,11 @@ def test_nnx_keeps_integer_dtypes_names_paths_and_warns_once():
     assert len(messages) == 1, messages
     assert "layers/0: an operand is cast from float16" in messages[0]
     assert "layers/1: an operand is cast from float16" in messages[0]
+    # The report names layers as the precision debugger prints them (the root's class first;
+    # `overrides` take either form).
     report = jmp.precision_report(lambda x: model(x), x)
     assert sorted(m[1] for m in report.float32_matmuls if m[3]) == [
-        "layers/0/head",
-        "layers/1/head",
+        "NNXModel/layers/0/head",
+        "NNXModel/layers/1/head",
     ]
     assert report.counts["dot_general"] == {"float16": 2, "float32": 4}

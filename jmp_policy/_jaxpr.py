@@ -1,0 +1,221 @@
+"""One reader of JAX programs for the whole library.
+
+What `autocast`, `precision_report` (`census`), the precision debugger, `jmp_policy.matmul`
+and the float8 exclusion know about jaxprs is decided here, once:
+
+- which primitives are matmuls (`MATMULS`), and which hold sub-programs, by what they do
+  with them: run them once where they stand (`CALLS`), recompute them for the backward pass
+  (`REMAT`), loop or branch over them (`SCAN`, `WHILE`, `COND`), or give them a derivative
+  rule (`CUSTOM_DERIVATIVES`); `inlined_body` is the one sub-program of a call, a remat or a
+  custom derivative, which a reader may run in place of the equation;
+- `bind`: one equation bound as `jax.core.eval_jaxpr` binds it (its sub-functions, its
+  source information and name stack, its context `eqn.ctx`);
+- `evaluate`: a jaxpr run equation by equation (literals read in their dtype, dropped
+  outputs dropped), each equation handed to a rule that may run it otherwise;
+- `walk`: every equation of a program and of its sub-programs, with its full name stack and
+  how often it runs (a `scan` body `length` times);
+- `module_path`: the module path a name stack names, as the integrations' `overrides` take it.
+
+Primitives are the objects of the installed JAX, from its public API
+(`jax.extend.core.primitives`, or the primitive a public function binds, found by tracing
+that function once), so a release that renames one changes nothing here. `FALLBACK_NAMES`
+are the names of call primitives no public API exposes (JAX's main branch stages a jaxpr
+evaluation as `eval_jaxpr`); tests/test_jaxpr.py checks that each is either a primitive of
+the installed JAX or absent from it on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.extend.core import primitives as _primitives
+
+from jmp_policy._compat import DropVar, bind_params, jaxprs_in_params
+
+try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
+    from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover
+    _source_info = None
+
+
+def _bound_by(fun: Callable[..., Any], *args: Any) -> Any:
+    """The primitive of the last equation `fun(*args)` traces to."""
+    return jax.make_jaxpr(fun)(*args).eqns[-1].primitive
+
+
+_F32 = jnp.float32
+DOT_GENERAL = _primitives.dot_general_p
+CONV = _primitives.conv_general_dilated_p
+RAGGED_DOT = _bound_by(
+    lax.ragged_dot,
+    jax.ShapeDtypeStruct((2, 4), _F32),
+    jax.ShapeDtypeStruct((1, 4, 3), _F32),
+    jax.ShapeDtypeStruct((1,), jnp.int32),
+)
+MATMULS = frozenset({DOT_GENERAL, CONV, RAGGED_DOT})
+"""Matrix multiplications and convolutions: what runs in half precision (or float8)."""
+
+CALLS = frozenset({_primitives.jit_p, _primitives.closed_call_p, _primitives.call_p})
+"""Primitives that run their one sub-program once, where they stand (`jax.jit`, ...)."""
+FALLBACK_NAMES = frozenset({"eval_jaxpr"})
+"""Names of call primitives the installed JAX may not expose (see the module docstring)."""
+
+REMAT = _primitives.remat_p
+SCAN = _primitives.scan_p
+WHILE = _primitives.while_p
+COND = _primitives.cond_p
+CUSTOM_JVP = _primitives.custom_jvp_call_p
+CUSTOM_VJP = _primitives.custom_vjp_call_p
+CUSTOM_DERIVATIVES = frozenset({CUSTOM_JVP, CUSTOM_VJP})
+STRUCTURAL = CALLS | {REMAT, SCAN, WHILE, COND}
+"""Primitives whose sub-programs a rewriter rebuilds with public APIs (`autocast`)."""
+
+
+def is_call(eqn: Any) -> bool:
+    """Whether `eqn` runs one sub-program once where it stands (`CALLS`)."""
+    return eqn.primitive in CALLS or eqn.primitive.name in FALLBACK_NAMES
+
+
+def is_matmul(eqn: Any) -> bool:
+    return eqn.primitive in MATMULS
+
+
+def matmul_names() -> frozenset[str]:
+    """The names of `MATMULS` in the installed JAX (for lists users write by name)."""
+    return frozenset(p.name for p in MATMULS)
+
+
+def inlined_body(eqn: Any) -> Any:
+    """The (closed or open) sub-program a reader may run in place of `eqn`: a call's, a
+    remat's, or a custom derivative's primal function; None for any other equation."""
+    if not (is_call(eqn) or eqn.primitive is REMAT or eqn.primitive in CUSTOM_DERIVATIVES):
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if key in eqn.params:
+            return eqn.params[key]
+    return None
+
+
+def current_name_stack() -> str:
+    """The name stack operations are traced under here ("" where JAX does not say)."""
+    return "" if _source_info is None else str(_source_info.current_name_stack())
+
+
+def source_context(eqn: Any) -> contextlib.AbstractContextManager:
+    """Where `eqn` is bound again: its traceback and its name stack under the current one."""
+    if _source_info is None:
+        return contextlib.nullcontext()
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    return _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def bind(eqn: Any, invals: Sequence[Any], **param_updates: Any) -> list:
+    """`eqn` bound on `invals` as `jax.core.eval_jaxpr` binds it (its parameters updated by
+    `param_updates`): its name stack kept, so a rewritten program still says which module
+    each operation belongs to, and its context (`eqn.ctx`) entered."""
+    subfuns, params = bind_params(eqn.primitive, {**eqn.params, **param_updates})
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
+    with source_context(eqn), ctx:
+        outs = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def read_literal(literal: Any) -> Any:
+    """A literal's value in the dtype of its abstract value (older JAX releases keep Python
+    scalars in literals)."""
+    dtype = getattr(literal.aval, "dtype", None)
+    return literal.val if dtype is None else np.asarray(literal.val, dtype)
+
+
+def evaluate(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    rule: Callable[[Any, list], list | None] | None = None,
+) -> list:
+    """Runs `jaxpr` equation by equation: `rule(eqn, invals)` may return the outputs of an
+    equation (run its own way); where it returns None (or there is no rule) the equation is
+    bound as it is (`bind`)."""
+    env: dict = {}
+
+    def read(v: Any) -> Any:
+        return read_literal(v) if isinstance(v, jcore.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        outs = rule(eqn, invals) if rule is not None else None
+        if outs is None:
+            outs = bind(eqn, invals)
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, DropVar):
+                env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def evaluate_closed(closed: Any, args: Sequence[Any], rule: Any = None) -> list:
+    return evaluate(closed.jaxpr, list(closed.consts), list(args), rule)
+
+
+def within(eqn: Any, outer: Any | None) -> Any:
+    """`eqn` with its name stack in full: a sub-program's equations (a scan body, a
+    `custom_vjp`'s forward) name their modules relative to the equation holding them."""
+    if outer is None or not str(outer.source_info.name_stack):
+        return eqn
+    stack = outer.source_info.name_stack + eqn.source_info.name_stack
+    return eqn.replace(source_info=eqn.source_info.replace(name_stack=stack))
+
+
+def walk(program: Any, times: int = 1, outer: Any | None = None) -> Iterator[tuple[Any, int]]:
+    """Every equation of a (closed) jaxpr and of its sub-programs, depth first, with its full
+    name stack (`within`) and how often it runs (a `scan` body `length` times)."""
+    jaxpr = getattr(program, "jaxpr", program)
+    for eqn in jaxpr.eqns:
+        eqn = within(eqn, outer)
+        yield eqn, times
+        inner = times * eqn.params["length"] if eqn.primitive is SCAN else times
+        for sub in jaxprs_in_params(eqn.params):
+            yield from walk(sub, inner, eqn)
+
+
+# --- names ------------------------------------------------------------------------------
+
+TOP_LEVEL = "(top level)"
+_TRANSFORMS = re.compile(r"^(?:[a-z_]+\()+")  # transpose(, jvp(, vmap(: transforms, not modules
+# A module's name (or an NNX list index). Parts with a dot are not modules: Linen names a
+# method called from another one `Class.method` (`Transformer.encode`), Equinox its class scopes.
+_PART = re.compile(r"[A-Za-z_][\w\-]*|\d+")
+_METHOD = re.compile(r"([A-Za-z_]\w*)\.[A-Za-z_]\w*")
+
+
+def module_path(name_stack: str, markers: Sequence[str] = ()) -> str:
+    """The modules a name stack names, joined with "/" (`TOP_LEVEL` if none): transforms
+    (`jvp(`, `transpose(`), `markers` (region and island scopes), Linen method calls
+    (`Transformer.encode`; first, the root called through a method, it names the root:
+    `Transformer`), Equinox's class scopes (`eqx.nn.Linear`) and anything that is not a name
+    (einsum specs, op names) left out; NNX list indices (`layers/0`) kept. The first part is
+    the root module's name; `overrides` take the rest (`relative`)."""
+    parts = []
+    for part in name_stack.split("/"):
+        part = _TRANSFORMS.sub("", part).rstrip(")")
+        method = _METHOD.fullmatch(part)
+        if method and not parts:  # the root called through a method: `apply(method=...)`
+            parts.append(method.group(1))
+        elif part and part not in markers and _PART.fullmatch(part):
+            parts.append(part)
+    return "/".join(parts) or TOP_LEVEL
+
+
+def relative(path: str) -> str:
+    """A `module_path` without the root module's own name: what `overrides` match."""
+    parts = path.split("/")
+    return "/".join(parts[1:]) if len(parts) > 1 else path

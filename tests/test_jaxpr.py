@@ -1,0 +1,197 @@
+"""The one reader of JAX programs (`jmp_policy._jaxpr`) and what every part learns from it.
+
+A matmul inside each structure JAX programs are made of must be rewritten by autocast,
+counted by `precision_report` and named by the precision debugger, and each primitive table
+holds primitives of the installed JAX.
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core import Primitive
+from jax.extend.core import primitives as jax_primitives
+
+import jmp_policy as jmp
+from jmp_policy import _jaxpr
+from jmp_policy._compat import bind_params
+from jmp_policy.census import iter_equations
+
+W = jax.random.normal(jax.random.key(0), (8, 8)) * 0.5
+X = jax.random.normal(jax.random.key(1), (4, 8))
+
+
+def layer(w, x):
+    """The one matmul, in a named scope the debugger must name."""
+    with jax.named_scope("mm"):
+        return jnp.tanh(x @ w)
+
+
+def in_closed_call(w, x):
+    program = jax.make_jaxpr(layer)(w, x)
+    subfuns, params = bind_params(jax_primitives.closed_call_p, {"call_jaxpr": program})
+    return jax_primitives.closed_call_p.bind(*subfuns, w, x, **params)[0]
+
+
+@jax.custom_jvp
+def with_custom_jvp(w, x):
+    return layer(w, x)
+
+
+@with_custom_jvp.defjvp
+def _(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    y = layer(w, x)
+    return y, (1 - y**2) * (dx @ w + x @ dw)
+
+
+@jax.custom_vjp
+def with_custom_vjp(w, x):
+    return layer(w, x)
+
+
+def _forward(w, x):
+    y = layer(w, x)
+    return y, (w, x, y)
+
+
+def _backward(residuals, g):
+    w, x, y = residuals
+    g = g * (1 - y**2)
+    return x.T @ g, g @ w.T
+
+
+with_custom_vjp.defvjp(_forward, _backward)
+
+
+def ragged(w, x):
+    with jax.named_scope("mm"):
+        groups = jnp.array([x.shape[0]], jnp.int32)
+        return jnp.tanh(lax.ragged_dot(x, w[None], groups))
+
+
+STRUCTURES = {
+    "jit": lambda w, x: jax.jit(layer)(w, x),
+    "closed_call": in_closed_call,
+    "remat": lambda w, x: jax.checkpoint(layer)(w, x),
+    "scan": lambda w, x: lax.scan(lambda c, _: (layer(w, c), None), x, None, length=2)[0],
+    "while": lambda w, x: lax.fori_loop(0, 2, lambda i, c: layer(w, c), x),
+    "cond": lambda w, x: lax.cond(jnp.sum(x) > -1e9, layer, lambda w, x: x, w, x),
+    "custom_jvp": with_custom_jvp,
+    "custom_vjp": with_custom_vjp,
+    "ragged_dot": ragged,
+}
+
+
+def matmul_dtypes(program) -> set:
+    return {str(e.invars[0].aval.dtype) for e in iter_equations(program) if _jaxpr.is_matmul(e)}
+
+
+def matmul_rows(report) -> dict:
+    return {(p, d): c for p, d, c, _ in report.rows if p in _jaxpr.matmul_names()}
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_a_matmul_in_every_structure_is_rewritten_counted_and_named(structure):
+    fun = STRUCTURES[structure]
+    mixed = jmp.autocast(fun, "mixed_float16")
+    # autocast rewrites it: the matmul takes float16 operands, wherever it sits.
+    assert matmul_dtypes(jax.make_jaxpr(mixed)(W, X)) == {"float16"}
+    name = _jaxpr.RAGGED_DOT.name if structure == "ragged_dot" else "dot_general"
+    # precision_report counts it, in the dtype it runs in.
+    assert set(matmul_rows(jmp.precision_report(fun, W, X))) == {(name, "float32")}
+    assert set(matmul_rows(jmp.precision_report(mixed, W, X))) == {(name, "float16")}
+    # The debugger names it by the scope it is in (and its backward pass, where JAX derives
+    # it: a custom rule's own code is named where it is written).
+    report = jmp.debug_precision(lambda w, x: jnp.sum(fun(w, x) ** 2), W, X)
+    directions = {s.direction for s in report.layers if s.layer == "mm"}
+    assert directions == ({"forward"} if "custom" in structure else {"forward", "backward"})
+    # The result is float32's, within float16's rounding.
+    np.testing.assert_allclose(mixed(W, X), fun(W, X), atol=2e-2)
+
+
+@pytest.mark.parametrize("structure", ["custom_jvp", "custom_vjp"])
+def test_custom_derivatives_keep_their_rules_under_autocast(structure):
+    """The function's own computation runs by autocast's rules; its derivative rule runs as
+    the user wrote it, on values in the dtypes it was written for, under `grad` and `jit`."""
+    fun = STRUCTURES[structure]
+
+    def loss(w, x):
+        return jnp.sum(fun(w, x) ** 2)
+
+    want = jax.grad(loss, argnums=(0, 1))(W, X)
+    got = jax.jit(jax.grad(jmp.autocast(loss, "mixed_float16"), argnums=(0, 1)))(W, X)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, w, atol=2e-2 * float(jnp.max(jnp.abs(w))))
+    program = jax.make_jaxpr(jax.grad(jmp.autocast(loss, "mixed_float16")))(W, X)
+    assert "float16" in matmul_dtypes(program)  # the forward matmul
+    if structure == "custom_vjp":  # the backward pass as written, on float32 residuals
+        assert "float32" in matmul_dtypes(program)
+
+
+def test_a_custom_vjp_with_an_integer_argument_under_autocast():
+    @jax.custom_vjp
+    def scaled(x, n):
+        return x @ x.T * jnp.asarray(n, x.dtype)
+
+    def forward(x, n):
+        return scaled(x, n), (x, n)
+
+    scaled.defvjp(forward, lambda r, g: ((g + g.T) @ r[0] * jnp.asarray(r[1], g.dtype), None))
+    grad = jax.grad(jmp.autocast(lambda x: jnp.sum(scaled(x, 3)), "mixed_bfloat16"))(X)
+    np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(scaled(x, 3)))(X), rtol=2e-2)
+
+
+def test_the_primitive_tables_hold_primitives_of_the_installed_jax():
+    tables = [
+        _jaxpr.MATMULS,
+        _jaxpr.CALLS,
+        _jaxpr.CUSTOM_DERIVATIVES,
+        _jaxpr.STRUCTURAL,
+        [_jaxpr.REMAT, _jaxpr.SCAN, _jaxpr.WHILE, _jaxpr.COND],
+    ]
+    for table in tables:
+        assert table and all(isinstance(p, Primitive) for p in table)
+
+    # Each is what JAX binds for its public function.
+    def first(fun, *args):
+        return jax.make_jaxpr(fun)(*args).eqns[0].primitive
+
+    assert first(jax.jit(layer), W, X) in _jaxpr.CALLS
+    assert first(jax.checkpoint(layer), W, X) is _jaxpr.REMAT
+    assert first(with_custom_jvp, W, X) is _jaxpr.CUSTOM_JVP
+    assert first(with_custom_vjp, W, X) is _jaxpr.CUSTOM_VJP
+    assert first(lambda w, x: x @ w, W, X) is _jaxpr.DOT_GENERAL
+    assert {e.primitive for e in jax.make_jaxpr(ragged)(W, X).eqns} & {_jaxpr.RAGGED_DOT}
+    assert jmp.AUTOCAST_ALLOW == _jaxpr.matmul_names()
+
+
+def test_fallback_names_are_absent_on_purpose_and_still_read():
+    """A call primitive only JAX's main branch stages (`eval_jaxpr`) is not a primitive this
+    JAX puts in programs, and is read as a call when one does."""
+    public = {p.name for p in vars(jax_primitives).values() if isinstance(p, Primitive)}
+    for name in _jaxpr.FALLBACK_NAMES:
+        assert name not in public
+        renamed = types.SimpleNamespace(primitive=Primitive(name), params={})
+        assert _jaxpr.is_call(renamed)
+    # None of the names the library used to keep for primitives no supported JAX has.
+    names = {p.name for p in _jaxpr.STRUCTURAL | _jaxpr.CUSTOM_DERIVATIVES}
+    assert not names & {"pjit", "core_call", "remat", "checkpoint", "custom_vjp_call_jaxpr"}
+
+
+@pytest.mark.parametrize(
+    ("stack", "path"),
+    [
+        ("Transformer/Transformer.encode/encoder/encoder_norm", "Transformer/encoder/encoder_norm"),
+        ("transpose(jvp(GPT))/Block_0/jmp_float32_override/LayerNorm_0", "GPT/Block_0/LayerNorm_0"),
+        ("Model/layers/0/attn/...hqk,...khd->...qhd", "Model/layers/0/attn"),
+        ("MLP/eqx.nn.Linear/layers/1", "MLP/layers/1"),
+        ("", _jaxpr.TOP_LEVEL),
+    ],
+)
+def test_one_module_path_from_a_name_stack(stack, path):
+    assert _jaxpr.module_path(stack, ("jmp_float32_override",)) == path
