@@ -1,7 +1,9 @@
 """Host-side answers to "why did my loss go NaN / why does it keep skipping?".
 
 These read a `loss_scaling` state after a step (they wait for the device, so
-call them every N steps, e.g. when you log), never inside a jitted step.
+call them every N steps, e.g. when you log), never inside a jitted step; among
+what they read, the gradients' `GradientStats` that `loss_scaling(...,
+stats_every=N)` collects inside the step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jmp_policy._gradient_stats import GradientStats as GradientStats  # its public home
 from jmp_policy.census import PrecisionWarning
 from jmp_policy.loss_scale import DynamicLossScale
 from jmp_policy.transform import SKIP_CAUSES, find_loss_scaling_state, host_value

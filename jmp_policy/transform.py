@@ -24,9 +24,9 @@ from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
 from jmp_policy._compat import pure
+from jmp_policy._gradient_stats import GradientStats, empty_gradient_stats, gradient_stats
 from jmp_policy._pytree import register_state
 from jmp_policy._validation import warn_at_user_line, whole_number
-from jmp_policy.debugger import GradientStats, empty_gradient_stats, gradient_stats
 from jmp_policy.finite import agree, global_norm, unscaled_leaf_finite
 from jmp_policy.loss_scale import (
     DynamicLossScale,

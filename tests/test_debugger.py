@@ -634,3 +634,43 @@ def test_other_threads_call_modules_as_they_are_while_the_debugger_names_them():
         thread.start()
         thread.join()
     assert errors == []
+
+
+class Rescaled(nn.Module):
+    """Scaled down 1e12 and back: its values span more binades than float16 holds (it has no
+    matmul: the advice sends it to float32), and its gradient is 1e12 times the others'
+    inside (as an RMSNorm's backward values are at a small variance)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return (x * 1e-12) * 1e12
+
+
+class WithRescaled(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = Rescaled(name="rescaled")(nn.Dense(8, name="embed")(x))
+        return nn.Dense(2, name="head")(h)
+
+
+def test_the_loss_scale_is_judged_on_the_gradients_the_advice_leaves_in_half_precision():
+    """A layer the advice moves to float32 (its activations do not fit float16) does not set
+    the loss scale, however large its backward values: the scale is the one the gradients left
+    in float16 allow (advice that moved a layer to float32 and still sized the scale by it
+    would contradict itself)."""
+    model = WithRescaled()
+    params = model.init(jax.random.key(1), X)["params"]
+
+    def loss(params, x):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
+
+    report = jmp.debug_precision(loss, params, X)
+    advice = report.advice()
+    assert advice["overrides"] == {"rescaled": "float32"}
+    backward = [s for s in report.layers if s.direction == "backward" and s.amax > 0]
+    inside = max(s.amax for s in backward if s.layer == "WithRescaled/rescaled")
+    rest = max(s.amax for s in backward if s.layer != "WithRescaled/rescaled")
+    assert inside > 1000 * rest  # judged with it, the scale would be 2^10 lower
+    largest = float(jnp.finfo(jnp.float16).max)
+    assert advice["loss_scale"]["initial"] == 2.0 ** math.floor(math.log2(largest / 2 / rest))
