@@ -5,7 +5,10 @@ do not (unless `nnx.mixed_precision` scoped them). Inside `module_names()`, ever
 NNX or Equinox module runs in a `jax.named_scope` of its path: the outermost module called is a
 root, named by its class (as Linen names its root), and every module inside it by its attribute
 or field path relative to it (`Transformer/layers/0/attn`). A module rebuilt inside a
-transform (a scan or vmap body) is a root of its own, inside its caller's scope.
+transform (a scan or vmap body, e.g. `nnx.scan` over layers `nnx.vmap` made) is named by the
+path of the one module of its class below its caller, the one it was rebuilt from (the path
+`overrides` take); where there is no such single module, it is a root of its own, inside its
+caller's scope.
 
 Calls are intercepted by replacing `__call__` on the module classes for the duration of the
 trace (and only then; other threads' calls pass straight through); the debugger uses it,
@@ -25,6 +28,7 @@ import jax
 
 _STATE = threading.local()
 _UNSAFE = re.compile(r"[^\w.\-]")
+_LIBRARIES = ("equinox", "flax")
 
 
 def active() -> bool:
@@ -58,7 +62,9 @@ def _classes_with_call(base: type) -> set[type]:
         if "__call__" in vars(c)
         and "_jmp_policy_base" not in vars(c)
         and not c.__module__.startswith("jmp_policy")
-        and not c.__name__.startswith("_")  # private wrappers (Equinox's `_VmapWrapper`)
+        # Private wrappers of the libraries (Equinox's `_VmapWrapper`); a user's private
+        # module is a module.
+        and not (c.__name__.startswith("_") and c.__module__.split(".")[0] in _LIBRARIES)
         # Equinox's own machinery (a bound method is a module); its layers are `equinox.nn`'s.
         and not (c.__module__.startswith("equinox.") and not c.__module__.startswith("equinox.nn"))
     }
@@ -68,11 +74,32 @@ def _is_module(x: Any) -> bool:
     return any(isinstance(x, base) for base in _bases())
 
 
-def _key_name(key: Any) -> str:
+def key_name(key: Any) -> str:
     for attribute in ("name", "idx", "key"):
         if hasattr(key, attribute):
             return _UNSAFE.sub("_", str(getattr(key, attribute)))
     return _UNSAFE.sub("_", str(key))
+
+
+def _is_wrapper(x: Any) -> bool:
+    """This library's wrappers of a model (`jmp_policy.eqx`'s): not modules of a path."""
+    return type(x).__module__.startswith("jmp_policy") and hasattr(x, "model")
+
+
+def module_tree(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(key path relative to `root`, module) for every Equinox module inside `root` (any
+    pytree), outer modules first; a module this library wraps stands at its wrapper's path."""
+    below = jax.tree_util.tree_flatten_with_path(
+        root, is_leaf=lambda x: x is not root and _is_module(x)
+    )[0]
+    for key_path, leaf in below:
+        if _is_module(leaf):
+            yield tuple(key_path), leaf
+            inner = leaf.model if _is_wrapper(leaf) else leaf
+            if inner is not leaf:
+                yield tuple(key_path), inner
+            for sub_keys, sub in module_tree(inner):
+                yield tuple(key_path) + sub_keys, sub
 
 
 def _submodules(root: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -83,16 +110,8 @@ def _submodules(root: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
             if path and isinstance(node, nnx.Module):
                 yield tuple(_UNSAFE.sub("_", str(p)) for p in path), node
         return
-    # Equinox (any pytree): the modules directly below, then theirs.
-    below = jax.tree_util.tree_flatten_with_path(
-        root, is_leaf=lambda x: x is not root and _is_module(x)
-    )[0]
-    for key_path, leaf in below:
-        if _is_module(leaf):
-            path = tuple(_key_name(k) for k in key_path)
-            yield path, leaf
-            for sub_path, sub in _submodules(leaf):
-                yield path + sub_path, sub
+    for keys, module in module_tree(root):  # Equinox (any pytree)
+        yield tuple(key_name(k) for k in keys), module
 
 
 def _named(original: Any) -> Any:
@@ -106,9 +125,12 @@ def _named(original: Any) -> Any:
         if hasattr(self, "_jmp_policy_scope") and not hasattr(self, "_jmp_policy_root"):
             return call(*args, **kwargs)  # scoped by `nnx.mixed_precision` already
         known = _STATE.paths.get(id(self))
-        if known is None:  # a root: its class names it, its submodules get paths below it
+        if known is None:
+            # A module rebuilt inside a transform (`nnx.scan` over layers `nnx.vmap` made)
+            # stands for the one module of its class below its caller; else it is a root:
+            # its class names it. Its submodules get paths below it.
             outer = stack[-1][1] if stack else ()
-            path = (*outer, _UNSAFE.sub("_", type(self).__name__))
+            path = _stands_for(self, outer) or (*outer, _UNSAFE.sub("_", type(self).__name__))
             _STATE.paths[id(self)] = (self, path)
             for sub_path, sub in _submodules(self):
                 _STATE.paths.setdefault(id(sub), (sub, path + sub_path))
@@ -126,6 +148,19 @@ def _named(original: Any) -> Any:
             stack.pop()
 
     return __call__
+
+
+def _stands_for(module: Any, outer: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The path of the one known module of `module`'s class below the caller's path `outer`
+    (a transform rebuilt `module` from it); None if there is none, or more than one."""
+    if not outer:
+        return None
+    found = {
+        path
+        for known, path in _STATE.paths.values()
+        if type(known) is type(module) and known is not module and path[: len(outer)] == outer
+    }
+    return found.pop() if len(found) == 1 else None
 
 
 @contextlib.contextmanager

@@ -18,21 +18,30 @@ imported on first use of `jmp_policy.eqx`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
 
-from jmp_policy.autocast import autocast
+from jmp_policy import _naming
+from jmp_policy.autocast import autocast, full_precision
+from jmp_policy.overrides import Overrides
 from jmp_policy.policy import Policy, check_model_policy
 from jmp_policy.scaled_grad import value_and_scaled_grad
+
+
+def _call(model: Any, *args: Any, **kwargs: Any) -> Any:
+    return model(*args, **kwargs)
 
 
 @functools.cache
 def _call_under(policy: Policy) -> Callable[..., Any]:
     # One autocast function per policy: its program cache is shared by every
     # model run under that policy.
-    return autocast(lambda model, *args, **kwargs: model(*args, **kwargs), policy)
+    return autocast(_call, policy)
+
+
+_IN_FLOAT32 = full_precision(_call)
 
 
 class MixedPrecision(eqx.Module):
@@ -56,12 +65,61 @@ class MixedPrecision(eqx.Module):
         return getattr(self.model, name)
 
 
-def mixed_precision(model: Any, policy: Policy | str = "mixed_float16") -> MixedPrecision:
+class _Overridden(MixedPrecision):
+    """A part of the model an override gives another policy: a float32 one runs as a
+    `full_precision` region (a float32 island), another under its own `autocast`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.policy.compute_dtype.itemsize >= 4:
+            return _IN_FLOAT32(self.model, *args, **kwargs)
+        return _call_under(self.policy)(self.model, *args, **kwargs)
+
+
+def _with_overrides(model: Any, overrides: Overrides) -> Any:
+    """`model` with each module an override matches wrapped in `_Overridden` (the innermost
+    match decides: a module inside a matched one runs in its region)."""
+    overrides.own_policy((), model)
+    matched = []
+    for keys, module in _naming.module_tree(model):
+        policy = overrides.own_policy(tuple(_naming.key_name(k) for k in keys), module)
+        if policy is not None and not isinstance(module, MixedPrecision):
+            matched.append((keys, policy))
+    overrides.warn_unmatched()
+    for keys, policy in sorted(matched, key=lambda m: -len(m[0])):  # inner ones first
+        model = eqx.tree_at(
+            lambda m, keys=keys: _at(m, keys),
+            model,
+            replace_fn=lambda module, policy=policy: _Overridden(module, policy),
+        )
+    return model
+
+
+def _at(tree: Any, keys: tuple) -> Any:
+    """The node of `tree` at a key path (attribute, index or dict key)."""
+    for key in keys:
+        if hasattr(key, "name"):
+            tree = getattr(tree, key.name)
+        elif hasattr(key, "idx"):
+            tree = tree[key.idx]
+        else:
+            tree = tree[key.key]
+    return tree
+
+
+def mixed_precision(
+    model: Any, policy: Policy | str = "mixed_float16", overrides: Mapping[Any, Any] | None = None
+) -> MixedPrecision:
     """Applies `policy` to an Equinox model (any pytree that is callable).
 
     Args:
       model: an `eqx.Module` (or any callable pytree).
       policy: a `Policy` or a policy string, e.g. "mixed_float16".
+      overrides: `{module class | glob path pattern | compiled regex: Policy}` for parts of
+        the model that run under another policy, as the Flax integrations take them: a path
+        is the module's field path (`"cell"`, `"layers/0"`; the precision debugger's layer
+        names and `advice()["overrides"]`). A part overridden with a float32 policy runs as
+        a `full_precision` region. Default: none (normalisation statistics, softmax and
+        the other float32-list operations run in float32 without one).
 
     Returns:
       A new `MixedPrecision` module (Equinox models are immutable: write
@@ -73,7 +131,8 @@ def mixed_precision(model: Any, policy: Policy | str = "mixed_float16") -> Mixed
       in `param_dtype`.
 
     Raises:
-      TypeError: `model` is not callable, or `policy` is not a policy.
+      TypeError: `model` is not callable, `policy` (or an override's value) is not a
+        policy, or an override's key is neither a module class nor a pattern.
 
     Examples:
       >>> import jax, jax.numpy as jnp, equinox as eqx
@@ -90,8 +149,11 @@ def mixed_precision(model: Any, policy: Policy | str = "mixed_float16") -> Mixed
             f"Expected a callable Equinox module for `model`, got {type(model).__name__}."
         )
     policy = check_model_policy(policy, "jmp_policy.eqx.mixed_precision")
+    rules = Overrides({} if overrides is None else overrides, eqx.Module)
     if isinstance(model, MixedPrecision):  # applied again: the new policy replaces the old
         model = model.model
+    if rules.patterns or rules.classes:
+        model = _with_overrides(model, rules)
     return MixedPrecision(policy.cast_to_param(model), policy)
 
 

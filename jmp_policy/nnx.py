@@ -125,6 +125,9 @@ def _subclass(cls: type, role: str) -> type:
         def scoped(self, *args, **kwargs):
             out_dtype = getattr(self, "_jmp_policy_out_dtype", None)
             island = getattr(self, "_jmp_policy_recompute", None)
+            inputs = getattr(self, "_jmp_policy_inputs", None)
+            if inputs is not None:
+                args, kwargs = inputs.cast_to_compute((args, kwargs))
             with contextlib.ExitStack() as scopes:
                 for name in self._jmp_policy_scope:
                     scopes.enter_context(jax.named_scope(name))
@@ -268,6 +271,11 @@ def mixed_precision(
         object.__setattr__(
             module, "_jmp_policy_recompute", (island, outer.compute_dtype) if recompute else None
         )
+        # A module with its own override computing in another dtype than the model around it
+        # gets its inputs cast to its compute dtype, as Linen's modules do.
+        overridden = own is not None and island.compute_dtype != outer.compute_dtype
+        inputs = island if overridden and not recompute else None  # a recompute casts its own
+        object.__setattr__(module, "_jmp_policy_inputs", inputs)
         at_use = at_use or (
             reduce_dtype is not None
             and out_dtype is None

@@ -57,6 +57,9 @@ def is_compute_dtype(value: Any) -> bool:
         return False
 
 
+_SHOWN = 12  # module paths kept for the unmatched-pattern warning
+
+
 class Overrides:
     """Validated overrides with matching; tracks which patterns matched."""
 
@@ -80,16 +83,28 @@ class Overrides:
                     f"pattern string or a compiled regex as a key of `{argument}`, got {key!r}."
                 )
         self.matched: set[Any] = set()
+        self.paths: list[str] = []  # the model's module paths seen, for the warning
+        self.root: str | None = None  # the root module's class name
 
     def own_policy(self, path: tuple[str, ...], module: Any) -> Policy | None:
-        """The policy this module is overridden with, or None to inherit."""
+        """The policy this module is overridden with, or None to inherit.
+
+        A pattern matches the module path (`encoder/norm`); one that starts with the root
+        module's class name, as the precision debugger prints layers
+        (`Transformer/encoder/norm`), matches the path after it.
+        """
         text = "/".join(str(p) for p in path)
+        if not path:
+            self.root = type(module).__name__
+        elif len(self.paths) < _SHOWN and text not in self.paths:
+            self.paths.append(text)
         for key, policy in self.patterns:
-            hit = (
-                key.fullmatch(text)
-                if isinstance(key, re.Pattern)
-                else fnmatch.fnmatchcase(text, key)
-            )
+            if isinstance(key, re.Pattern):
+                hit = key.fullmatch(text)
+            else:
+                prefix = f"{self.root}/" if self.root else ""
+                pattern = key[len(prefix) :] if prefix and key.startswith(prefix) else key
+                hit = fnmatch.fnmatchcase(text, pattern)
             if hit:
                 self.matched.add(key)
                 return policy
@@ -102,9 +117,10 @@ class Overrides:
         for key, _ in self.patterns:
             if key not in self.matched:
                 shown = key.pattern if isinstance(key, re.Pattern) else key
+                examples = ", ".join(repr(p) for p in self.paths[:4]) or "'Encoder_0/Dense_1'"
                 warnings.warn(
-                    f"The override pattern {shown!r} matches no module path; paths look like "
-                    "'Encoder_0/Dense_1' (parts joined with '/').",
+                    f"The override pattern {shown!r} matches no module path; this model's "
+                    f"paths look like {examples} (parts joined with '/').",
                     UserWarning,
                     stacklevel=4,
                 )

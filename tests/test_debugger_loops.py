@@ -151,8 +151,9 @@ def test_nnx_scan_layers_are_named(policy):
     if policy:
         model = jmp.nnx.mixed_precision(model, jmp.get_policy(policy))
     report = jmp.debug_precision(lambda m: jnp.mean(m(jnp.ones((2, 8))) ** 2), model)
-    # A layer rebuilt inside the scan is named by its class (plain) or attribute path (policy).
-    inside = "Scanned/layers/lin" if policy else "Scanned/Layer/lin"
+    # A layer rebuilt inside the scan is named by the attribute path it was rebuilt from, the
+    # path `overrides` take, with or without a policy (it was `Scanned/Layer/lin` without).
+    inside = "Scanned/layers/lin"
     assert inside in report.matmul_layers, report.matmul_layers
     assert inside in _named(report, "forward") & _named(report, "backward")
 
