@@ -1,0 +1,373 @@
+"""How autocast runs a program: equation by equation (`_jaxpr.evaluate`), its sub-programs
+rebuilt with public APIs (calls inlined; `scan`, `while`, `cond` and `jax.checkpoint` with
+autocast bodies; custom derivatives with their rules kept), and `cast_at_use`'s weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_policy import _jaxpr
+from jmp_policy._autocast_ops import (
+    _DOWNCASTS,
+    _FLOAT32,
+    _LAX_MATMULS,
+    _MIXED,
+    _REGION_NAMES,
+    NO_HALF_KERNEL,
+    _bind,
+    _cast,
+    _cast_like_avals,
+    _downcasts,
+    _eval_by_rules,
+    _in_float32,
+    _inherit,
+    _is_float,
+    _kind,
+    _kinds,
+    _record,
+    _Rules,
+    _source_context,
+    _widest,
+)
+from jmp_policy._compat import jaxprs_in_params
+from jmp_policy.activations import (
+    WEIGHT,
+    combined,
+    weight_at_use,
+)
+from jmp_policy.matmul import mixed
+
+
+def _eval_jaxpr(jaxpr: Any, consts: list, args: list, rules: _Rules) -> list:
+    return _jaxpr.evaluate(
+        jaxpr, consts, args, lambda eqn, invals: _eval_equation(eqn, invals, rules)
+    )
+
+
+def _eval_closed(closed: Any, args: list, rules: _Rules) -> list:
+    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), rules)
+
+
+def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
+    name = eqn.primitive.name
+    if eqn.primitive in _jaxpr.STRUCTURAL or _jaxpr.is_call(eqn):
+        return _eval_structural(eqn, invals, rules)
+    if rules.at_use:
+        return _eval_cast_at_use(eqn, invals)
+    if eqn.primitive in _jaxpr.CUSTOM_DERIVATIVES:
+        outs = _eval_custom_derivative(eqn, _cast_like_avals(invals, _avals(eqn.invars)), rules)
+        _record(outs, combined(_kinds(invals)))
+        return outs
+    has_subprogram = bool(list(jaxprs_in_params(eqn.params)))
+    if has_subprogram or name == "bitcast_convert_type" or ("callback" in name):
+        if name == "shard_map":
+            raise NotImplementedError(
+                "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
+                "function instead (shard_map(autocast(f, policy), ...))."
+            )
+        # Run as traced: typed callbacks stay exact.
+        outs = _bind(eqn, _cast_like_avals(invals, _avals(eqn.invars)))
+        _record(outs, combined(_kinds(invals)))
+        return outs
+    floating = [i for i, x in enumerate(invals) if _is_float(x)]
+    if not floating:
+        return _bind(eqn, invals)
+    if name in NO_HALF_KERNEL:
+        return _in_float32(eqn, invals)
+    try:
+        return _eval_by_rules(eqn, invals, floating, rules)
+    except (TypeError, ValueError, NotImplementedError):
+        # An op that refuses half precision (a dtype check when it is bound)
+        # runs in float32 rather than failing the whole function.
+        if not any(jnp.finfo(invals[i].dtype).bits < 32 for i in floating):
+            raise
+        return _in_float32(eqn, invals)
+
+
+# Deny-listed reductions: what they make of activations is a statistic (`activations`).
+# Shape-only operations a weight's cast is moved past, and elementwise ones whose implicit
+# broadcast of a weight is made explicit before the cast (`_eval_cast_at_use`).
+_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims"})
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min"})
+
+
+def _eval_cast_at_use(eqn: Any, invals: list) -> list:
+    """An equation as traced, except on a weight's cast down from float32:
+    - a matmul or conv takes the float32 weight and casts it inside
+      `jmp_policy.matmul.mixed`, so its gradient is made in float32;
+    - a shape-only operation runs on the float32 weight and is cast after it, and an
+      elementwise one that broadcasts the weight (a bias added to a batch) gets it
+      broadcast in float32 first, so the sum over the batch that is its gradient runs in
+      float32.
+    Either way the forward values are the same, and the gradient is summed across devices
+    in float32."""
+    name = eqn.primitive.name
+    if name in _SHAPE_OPS and invals and id(invals[0]) in _downcasts():
+        half, weight = _downcasts()[id(invals[0])]
+        (wide,) = _bind(eqn, [weight, *invals[1:]])
+        out = _cast(wide, half.dtype)
+        _downcasts()[id(out)] = (out, wide)
+        return [out]
+    if name in _ELEMENTWISE:
+        shape = eqn.outvars[0].aval.shape
+        invals = [
+            _cast(jnp.broadcast_to(_downcasts()[id(x)][1], shape), x.dtype)
+            if id(x) in _downcasts() and np.shape(x) != shape and np.ndim(x) == len(shape)
+            else x
+            for x in invals
+        ]
+    if name in _MIXED:
+        found = [_downcasts().get(id(x)) for x in invals]
+        if any(f is not None for f in found):
+            compute = next(x.dtype for x, f in zip(invals, found, strict=True) if f is not None)
+            lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
+            preferred = eqn.params.get("preferred_element_type")
+            wider = preferred is not None and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
+
+            def op(lhs, rhs, preferred):
+                return _LAX_MATMULS[name](
+                    lhs, rhs, **{**eqn.params, "preferred_element_type": preferred}
+                )
+
+            with _source_context(eqn):
+                out = mixed(op, compute, preferred if wider else None, lhs, rhs)
+            return [_cast(out, eqn.outvars[0].aval.dtype)]
+    outs = _bind(eqn, invals)
+    if (
+        name == "convert_element_type"
+        and id(invals[0]) in _DOWNCASTS.stack[-1][0]
+        and invals[0].dtype == _FLOAT32
+        and _is_float(outs[0])
+        and jnp.finfo(outs[0].dtype).bits == 16
+    ):
+        _downcasts()[id(outs[0])] = (outs[0], invals[0])
+    return outs
+
+
+def _avals(variables: Iterable) -> list:
+    return [v.aval for v in variables]
+
+
+def _rewritten(fun: Callable[..., list], args: Sequence[Any], rules: _Rules) -> list:
+    """`fun(*args)` traced and run by the rules, its outputs in the dtypes it was traced
+    with."""
+    closed = jax.make_jaxpr(fun)(*args)
+    return _cast_like_avals(_eval_closed(closed, list(args), rules), closed.out_avals)
+
+
+def _eval_custom_derivative(eqn: Any, invals: list, rules: _Rules) -> list:
+    """A `jax.custom_jvp`/`jax.custom_vjp` function (`invals` in the dtypes it was traced
+    with), as torch.amp runs a custom autograd function: its computation by the rules (its
+    matmuls in the compute dtype), and the derivative rule as the user wrote it, on values in
+    the dtypes it was written for. Rebuilt with the public APIs from JAX's own derivative of
+    the equation: `custom_jvp`'s rule traced by `jax.jvp` and run by the rules, its outputs
+    cast back; `custom_vjp`'s forward pass (`jax.vjp`: the outputs and the residuals the
+    backward pass keeps) run by the rules and cast back, and its backward pass run as
+    written on those residuals."""
+    n_out = len(eqn.outvars)
+    body = _jaxpr.inlined_body(eqn)  # the function's own program
+
+    def original(*args: Any) -> list:
+        return _bind(eqn, list(args))
+
+    def primal(*args: Any) -> list:
+        outs = _eval_closed(body, list(args), rules)
+        return _cast_like_avals(outs, _avals(eqn.outvars))
+
+    if eqn.primitive is _jaxpr.CUSTOM_JVP:
+
+        @jax.custom_jvp
+        def with_jvp(*args):
+            return primal(*args)
+
+        @with_jvp.defjvp
+        def _(primals, tangents):
+            n = len(primals)
+
+            def jvp(*both):
+                outs, tangents_out = jax.jvp(original, both[:n], both[n:])
+                return [*outs, *tangents_out]
+
+            # Plain matmuls (not `matmul.mixed`, a custom_vjp): a custom_jvp rule's tangents
+            # must stay transposable.
+            linear = dataclasses.replace(rules, reduce=False, accumulate=None)
+            outs = _rewritten(jvp, [*primals, *tangents], linear)
+            return outs[:n_out], outs[n_out:]
+
+        return list(with_jvp(*invals))
+
+    pullback: list = []  # the tree of `jax.vjp`'s function: its leaves are the residuals
+
+    def forward(*args: Any) -> list:
+        outs, vjp = jax.vjp(original, *args)
+        residuals, tree = jax.tree.flatten(vjp)
+        pullback[:] = [tree]
+        return [*outs, *residuals]
+
+    @jax.custom_vjp
+    def fun(*args):
+        return primal(*args)
+
+    def fwd(*args):
+        outs = _rewritten(forward, args, rules)
+        return outs[:n_out], outs[n_out:]
+
+    def bwd(residuals, cotangents):
+        return tuple(jax.tree.unflatten(pullback[0], residuals)(list(cotangents)))
+
+    fun.defvjp(fwd, bwd)
+    return list(fun(*invals))
+
+
+def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
+    params = eqn.params
+    if _jaxpr.is_call(eqn):
+        inner = _jaxpr.inlined_body(eqn)
+        if params.get("name", "").startswith(_REGION_NAMES):
+            return _bind(eqn, _cast_like_avals(invals, inner.in_avals))
+        return (
+            _eval_closed(inner, invals, rules)
+            if hasattr(inner, "consts")
+            else _eval_jaxpr(inner, [], invals, rules)
+        )
+    # The loop or branch keeps its place in the name stack (its body's are relative to it).
+    if eqn.primitive is _jaxpr.SCAN:
+        with _source_context(eqn):
+            return _eval_scan(params, invals, rules)
+    if eqn.primitive is _jaxpr.WHILE:
+        with _source_context(eqn):
+            return _eval_while(params, invals, rules)
+    if eqn.primitive is _jaxpr.COND:
+        with _source_context(eqn):
+            return _eval_cond(params, invals, rules)
+    # `jax.checkpoint` (`_jaxpr.REMAT`): an open jaxpr without consts.
+    body = functools.partial(_eval_jaxpr, params["jaxpr"], [], rules=rules)
+
+    wide = _wide_sources(rules, invals)
+
+    def rematted(*inner):
+        inner = _follow_weights(rules, invals, list(inner), wide)
+        _inherit(invals, inner)
+        return body(inner)
+
+    with _source_context(eqn):
+        return jax.checkpoint(rematted, prevent_cse=params["prevent_cse"], policy=params["policy"])(
+            *invals, *[w for _, w in wide]
+        )
+
+
+def _wide_sources(rules: _Rules, outer: list) -> list:
+    """`cast_at_use`: [(position, float32 weight)] of a body's inputs that are a weight's
+    cast, to be passed into the body beside them."""
+    if not rules.at_use:
+        return []
+    return [(i, _downcasts()[id(v)][1]) for i, v in enumerate(outer) if id(v) in _downcasts()]
+
+
+def _follow_weights(rules: _Rules, outer: list, inner: list, wide: list) -> list:
+    """`cast_at_use`: a body's input that is a weight (or one layer of stacked weights in a
+    `scan`) is a weight too, and one that is a weight's cast is that (its float32 weight
+    passed in after the body's own inputs, per `_wide_sources`). Returns the body's own
+    inputs."""
+    if not rules.at_use:
+        return inner
+    inner, extra = inner[: len(outer)], inner[len(outer) :]
+    weights = _DOWNCASTS.stack[-1][0]
+    for o, i in zip(outer, inner, strict=True):
+        if id(o) in weights:
+            weights[id(i)] = i
+    for (position, _), w in zip(wide, extra, strict=True):
+        _downcasts()[id(inner[position])] = (inner[position], w)
+    return inner
+
+
+def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts, init, xs = (
+        invals[:n_consts],
+        invals[n_consts : n_consts + n_carry],
+        invals[n_consts + n_carry :],
+    )
+
+    wide = _wide_sources(rules, xs)
+
+    def body(carry, x):
+        x = _follow_weights(rules, xs, list(x), wide)
+        _inherit([*init, *xs], [*carry, *x])
+        outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], rules)
+        new_carry = [_cast(o, c.dtype) for o, c in zip(outs[:n_carry], carry, strict=True)]
+        return new_carry, outs[n_carry:]
+
+    # A float32 carry that starts as a weight (an embedding, zeros) and that the body makes an
+    # activation (a layer's output, as under `nn.scan` over blocks) is carried in the compute
+    # dtype, as it is between the layers of a Python loop (`activations.meet`); a carry that
+    # the body keeps in float32 (a sum of losses, statistics) stays float32.
+    def made(carry):
+        def run(carry, x):
+            return _eval_closed(params["jaxpr"], [*consts, *carry, *x], rules)[:n_carry]
+
+        xs_one = [jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for v in xs]
+        return [o.dtype for o in jax.eval_shape(run, carry, xs_one)]
+
+    init = list(init)
+    if any(_is_float(c) and c.dtype == _FLOAT32 and _kind(c) == WEIGHT for c in init):
+        for i, dtype in enumerate(made(init)):
+            c = init[i]
+            if _is_float(c) and c.dtype == _FLOAT32 and _kind(c) == WEIGHT and dtype != c.dtype:
+                init[i] = weight_at_use(c, dtype)
+
+    carry, ys = lax.scan(
+        body,
+        list(init),
+        [*xs, *[w for _, w in wide]],  # a weight's cast: its float32 weight beside it
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _eval_while(params: dict, invals: list, rules: _Rules) -> list:
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+
+    def cond_fn(carry):
+        _inherit(init, carry)
+        return _eval_closed(params["cond_jaxpr"], [*cond_consts, *carry], rules)[0]
+
+    def body_fn(carry):
+        _inherit(init, carry)
+        outs = _eval_closed(params["body_jaxpr"], [*body_consts, *carry], rules)
+        return [_cast(o, c.dtype) for o, c in zip(outs, carry, strict=True)]
+
+    return list(lax.while_loop(cond_fn, body_fn, list(init)))
+
+
+def _eval_cond(params: dict, invals: list, rules: _Rules) -> list:
+    index, operands = invals[0], invals[1:]
+    branches = [functools.partial(_eval_closed, b, rules=rules) for b in params["branches"]]
+    shapes = [jax.eval_shape(lambda *a, f=f: f(list(a)), *operands) for f in branches]
+    dtypes = [
+        _widest([s[i].dtype for s in shapes])
+        if jnp.issubdtype(shapes[0][i].dtype, jnp.floating)
+        else None
+        for i in range(len(shapes[0]))
+    ]
+
+    def agreeing(f):
+        def run(*a):
+            _inherit(operands, a)
+            outs = f(list(a))
+            return [o if d is None else _cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
+
+        return run
+
+    return list(lax.switch(index, [agreeing(f) for f in branches], *operands))
