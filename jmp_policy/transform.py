@@ -9,7 +9,6 @@ and leaves the inner state exactly as it was), and only then adjusts S.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from collections.abc import Hashable
 from typing import Any, NamedTuple, TypeVar
@@ -20,14 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.extend import core as jcore
 from jax.typing import DTypeLike
 
 from jmp_policy._compat import pure
 from jmp_policy._gradient_stats import GradientStats, empty_gradient_stats, gradient_stats
+from jmp_policy._misuse import LossScalingWarning as LossScalingWarning  # exported here
+from jmp_policy._misuse import (
+    _warn_if_gradients_unscaled,
+    _warn_if_half_master_weights,
+    computed_without,
+)
 from jmp_policy._pytree import register_state
-from jmp_policy._validation import warn_at_user_line, whole_number
-from jmp_policy.finite import agree, global_norm, unscaled_leaf_finite
+from jmp_policy._spikes import SKIP_CAUSES as SKIP_CAUSES  # exported here
+from jmp_policy._spikes import SkipSpikes as SkipSpikes
+from jmp_policy._spikes import SpikeStats, _judge_spike
+from jmp_policy._validation import whole_number
+from jmp_policy.finite import agree, unscaled_leaf_finite
 from jmp_policy.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -126,80 +133,6 @@ class LossScalingState(NamedTuple):
     spike_stats: SpikeStats | None = None
 
 
-SKIP_CAUSES = ("non-finite loss", "non-finite gradients", "spike")
-"""Why `loss_scaling` skipped a step (`LossScalingState.skip_causes` counts them in this order):
-
-- "non-finite loss": the loss itself was inf or NaN (an inf in the batch, a NaN target, a
-  forward pass past the compute dtype's range). No loss scale cures it, so the scale is left
-  as it was. Known only when `update` is given the loss (`value=loss`).
-- "non-finite gradients": the loss was finite (or not given) and its scaled gradients
-  overflowed: the loss scale's doing, cured by backing it off.
-- "spike": with `loss_scaling(..., skip_spikes=SkipSpikes())`, a finite loss or global
-  gradient norm far above its running mean (`SkipSpikes`). The scale is left as it was.
-"""
-
-
-@dataclasses.dataclass(frozen=True)
-class SkipSpikes:
-    """Spike skipping for `loss_scaling(..., skip_spikes=SkipSpikes(...))` (off by default).
-
-    After `warmup` applied steps, a step is skipped, by the same decision that skips a
-    non-finite one (parameters, optimizer state and, through `unless_skipped`, model state
-    kept), when its loss (given to `update` as `value=loss`) or the global norm of its
-    unscaled gradients exceeds `factor` times its running mean. The means are exponential
-    moving averages (`decay`) of applied steps only, so a spike never teaches the statistics.
-    After `max_run` spike skips in a row the next step is taken and the means start again
-    from it, so a real change of regime (a new data mixture, a learning-rate jump) does not
-    stall training. The loss scale does
-    not back off for a spike. Losses are compared as they are: use it with a positive loss
-    (cross-entropy, squared error), or compare the gradient norm alone (no `value`).
-
-    Attributes:
-      factor: how many times the running mean a value must exceed to be a spike (> 1).
-      warmup: applied steps before any step is judged (>= 1).
-      max_run: spike skips in a row after which the next step is taken (>= 1).
-      decay: the running means' decay per applied step, in (0, 1).
-
-    Raises:
-      ValueError: a value outside the ranges above; TypeError: not a number.
-    """
-
-    factor: float = 10.0
-    warmup: int = 100
-    max_run: int = 5
-    decay: float = 0.99
-
-    def __post_init__(self):
-        for name, low, high in (("factor", 1.0, math.inf), ("decay", 0.0, 1.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"Expected a number for `{name}`, got {value!r}.")
-            if not low < value < high:
-                raise ValueError(f"Expected `{name}` in ({low:g}, {high:g}), got {value!r}.")
-        whole_number(self.warmup, "warmup", low=1)
-        whole_number(self.max_run, "max_run", low=1)
-
-
-class SpikeStats(NamedTuple):
-    """The running statistics of `SkipSpikes`, in `LossScalingState.spike_stats`.
-
-    Attributes:
-      loss_mean: running mean of the applied steps' losses (float32; 0 before the first).
-      norm_mean: running mean of the applied steps' global gradient norms (float32).
-      seen: applied steps the means have learnt from (int32, saturating).
-      run: spike skips in a row (int32).
-    """
-
-    loss_mean: jax.Array
-    norm_mean: jax.Array
-    seen: jax.Array
-    run: jax.Array
-
-
-class LossScalingWarning(UserWarning):
-    """A `loss_scaling` optimizer used in a way that trains badly without failing."""
-
-
 def _check_state(state: Any) -> None:
     if isinstance(state, LossScalingState):
         return
@@ -227,99 +160,6 @@ def _check_state(state: Any) -> None:
     raise TypeError(
         f"Expected a LossScalingState for `state` of loss_scaling's update, got {got}. {fix}"
     )
-
-
-def computed_without(grads: Any, params: Any, scale: Any) -> bool:
-    """Whether `grads` were surely computed from `params` without `scale` (the loss scale of
-    the state given to `update`) in the traced step that calls `update`.
-
-    True only when `grads`, `params` and `scale` are values of one jaxpr trace (a `jit`,
-    `nnx.jit`, `eqx.filter_jit` or `shard_map` step), the gradients are computed in it from
-    the parameters' inputs, and none of the inputs the scale comes from is among the inputs
-    they are computed from. Everything it cannot see is False (no warning): eager values,
-    gradients passed into the trace (`jax.jit(tx.update)`, `make_jaxpr`, `lower`,
-    `eval_shape`, an accumulator inside `optax.MultiSteps`), no `params`, values of
-    different traces, or a JAX whose tracing internals differ."""
-    try:
-        from jax._src.interpreters import partial_eval as pe
-
-        def tracers(tree: Any) -> list:
-            return [x for x in jax.tree.leaves(tree) if isinstance(x, pe.DynamicJaxprTracer)]
-
-        grads, params, scale = tracers(grads), tracers(params), tracers(scale)
-        if not grads or not params or not scale:
-            return False
-        trace = grads[0]._trace
-        if any(x._trace is not trace for x in grads + params + scale):
-            return False
-        frame = trace.frame
-        inputs = {v: i for i, v in enumerate(frame.invars)}
-        eqns = frame.get_eqns()
-
-        def progenitors(values: list) -> set:
-            # JAX's own `find_progenitors`, for many values at once: one backward walk.
-            active = {x.val for x in values} - {None}
-            for eqn in reversed(eqns):
-                if active.intersection(eqn.outvars):
-                    active.difference_update(eqn.outvars)
-                    active.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
-            return {inputs[v] for v in active if v in inputs}
-
-        from_grads = progenitors(grads)
-        from_scale = progenitors(scale)
-        return bool(from_grads & progenitors(params)) and not from_grads & from_scale
-    except Exception:  # noqa: BLE001 (JAX internals of another release: no check)
-        return False
-
-
-def _warn_if_gradients_unscaled(loss_scale: LossScale) -> None:
-    warn_at_user_line(
-        "loss_scaling: the gradients given to `update` were computed, in this traced step, "
-        f"without its {type(loss_scale).__name__} (the loss scale in the optimizer state). "
-        "Its `update` takes the gradients of the *scaled* loss and divides them "
-        "by the scale: gradients of the plain loss (jax.grad / jax.value_and_grad / "
-        "nnx.grad / eqx.filter_grad next to loss_scaling) make every update S times too small "
-        "(S the loss scale, 2^15 for DynamicLossScale(2.0**15)), with no error. Compute them with "
-        "`loss, grads = jmp_policy.value_and_scaled_grad(loss_fn)(opt_state, params, ...)` "
-        "(Equinox: `jmp_policy.eqx.filter_value_and_scaled_grad`; NNX: "
-        "`grad_fn=nnx.value_and_grad`), or scale the loss yourself with "
-        "`jmp_policy.get_loss_scale(opt_state).scale(loss)` inside the differentiated "
-        "function (that marks it too).",
-        LossScalingWarning,
-    )
-
-
-def _half_leaves(tree: Any) -> list[str]:
-    found = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is not None and dtype in (jnp.float16, jnp.bfloat16):
-            found.append(f"{jax.tree_util.keystr(path)} ({jnp.dtype(dtype).name})")
-    return found
-
-
-def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
-    # A state that declares it (low_precision_optimizer's) keeps 16-bit parameters and moments
-    # on purpose, their small updates kept. Read from the class, so that this module does not
-    # import the low-precision layer below it.
-    on_purpose = lambda x: getattr(type(x), "keeps_16_bit_updates", False) is True  # noqa: E731
-    if any(on_purpose(x) for x in jax.tree.leaves(inner_state, is_leaf=on_purpose)):
-        return
-    for what, tree in (("parameters", params), ("the inner optimizer state", inner_state)):
-        half = _half_leaves(tree)
-        if half:
-            shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")
-            warn_at_user_line(
-                f"loss_scaling: {what} are in half precision ({shown}). Weight updates must "
-                "not run in float16/bfloat16: small updates round away and Adam's eps "
-                "underflows to 0 in float16. Keep float32 master weights and cast a copy for "
-                "the forward pass, e.g. `policy = jmp_policy.get_policy('mixed_float16')`, "
-                "`params = policy.cast_to_param(params)` before `init`, and "
-                "`policy.cast_to_compute(params)` inside the loss. Or keep them in bfloat16 "
-                "without losing the small updates: wrap the optimizer in "
-                "`jmp_policy.low_precision_optimizer` (stochastic rounding, Kahan or split).",
-                UserWarning,
-            )
 
 
 def _copy_leaves(tree: Any) -> Any:
@@ -550,41 +390,6 @@ def loss_scaling(
 
     # LossScalingState is an optax state (a pytree); optax's aliases do not say so.
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-
-
-def _judge_spike(config, stats, finite, grads, value, axis_name):
-    """Whether this step is a spike (`SkipSpikes`), and the statistics after it: learnt from
-    the step only when it is applied. The same decision on every device of `axis_name`."""
-    norm = global_norm(grads)
-    loss = (
-        jnp.zeros((), jnp.float32)
-        if value is None
-        else jnp.asarray(value).astype(jnp.float32).reshape(())
-    )
-    if axis_name is not None:  # per-device gradients: the statistics of the whole batch
-        norm, loss = lax.pmean(norm, axis_name), lax.pmean(loss, axis_name)
-    warm = stats.seen >= config.warmup
-    above = norm > config.factor * stats.norm_mean
-    if value is not None:
-        above = above | (loss > config.factor * stats.loss_mean)
-    # A spike on any device is a spike on every device.
-    jump = ~agree(~(warm & above & finite), axis_name)
-    spike = jump & (stats.run < config.max_run)
-    applied = finite & ~spike
-    # The first step, and a jump taken after `max_run` spikes in a row (a new regime: the
-    # running means start again from it, or every later step would be a spike too).
-    first = (stats.seen == 0) | (jump & ~spike)
-
-    def mean(old, new):
-        return jnp.where(first, new, config.decay * old + (1 - config.decay) * new)
-
-    learnt = SpikeStats(
-        loss_mean=jnp.where(applied, mean(stats.loss_mean, loss), stats.loss_mean),
-        norm_mean=jnp.where(applied, mean(stats.norm_mean, norm), stats.norm_mean),
-        seen=jnp.where(applied, optax.safe_int32_increment(stats.seen), stats.seen),
-        run=jnp.where(spike, stats.run + 1, 0).astype(jnp.int32),
-    )
-    return spike, learnt
 
 
 def _run_if_finite(finite, apply, grads, inner_state):

@@ -1,0 +1,112 @@
+"""`loss_scaling` used in a way that trains badly without failing: what it warns about, at
+the user's line (`LossScalingWarning`), and the reading of the traced step it needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from jmp_policy._validation import warn_at_user_line
+from jmp_policy.loss_scale import (
+    LossScale,
+)
+
+
+class LossScalingWarning(UserWarning):
+    """A `loss_scaling` optimizer used in a way that trains badly without failing."""
+
+
+def computed_without(grads: Any, params: Any, scale: Any) -> bool:
+    """Whether `grads` were surely computed from `params` without `scale` (the loss scale of
+    the state given to `update`) in the traced step that calls `update`.
+
+    True only when `grads`, `params` and `scale` are values of one jaxpr trace (a `jit`,
+    `nnx.jit`, `eqx.filter_jit` or `shard_map` step), the gradients are computed in it from
+    the parameters' inputs, and none of the inputs the scale comes from is among the inputs
+    they are computed from. Everything it cannot see is False (no warning): eager values,
+    gradients passed into the trace (`jax.jit(tx.update)`, `make_jaxpr`, `lower`,
+    `eval_shape`, an accumulator inside `optax.MultiSteps`), no `params`, values of
+    different traces, or a JAX whose tracing internals differ."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        def tracers(tree: Any) -> list:
+            return [x for x in jax.tree.leaves(tree) if isinstance(x, pe.DynamicJaxprTracer)]
+
+        grads, params, scale = tracers(grads), tracers(params), tracers(scale)
+        if not grads or not params or not scale:
+            return False
+        trace = grads[0]._trace
+        if any(x._trace is not trace for x in grads + params + scale):
+            return False
+        frame = trace.frame
+        inputs = {v: i for i, v in enumerate(frame.invars)}
+        eqns = frame.get_eqns()
+
+        def progenitors(values: list) -> set:
+            # JAX's own `find_progenitors`, for many values at once: one backward walk.
+            active = {x.val for x in values} - {None}
+            for eqn in reversed(eqns):
+                if active.intersection(eqn.outvars):
+                    active.difference_update(eqn.outvars)
+                    active.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+            return {inputs[v] for v in active if v in inputs}
+
+        from_grads = progenitors(grads)
+        from_scale = progenitors(scale)
+        return bool(from_grads & progenitors(params)) and not from_grads & from_scale
+    except Exception:  # noqa: BLE001 (JAX internals of another release: no check)
+        return False
+
+
+def _warn_if_gradients_unscaled(loss_scale: LossScale) -> None:
+    warn_at_user_line(
+        "loss_scaling: the gradients given to `update` were computed, in this traced step, "
+        f"without its {type(loss_scale).__name__} (the loss scale in the optimizer state). "
+        "Its `update` takes the gradients of the *scaled* loss and divides them "
+        "by the scale: gradients of the plain loss (jax.grad / jax.value_and_grad / "
+        "nnx.grad / eqx.filter_grad next to loss_scaling) make every update S times too small "
+        "(S the loss scale, 2^15 for DynamicLossScale(2.0**15)), with no error. Compute them with "
+        "`loss, grads = jmp_policy.value_and_scaled_grad(loss_fn)(opt_state, params, ...)` "
+        "(Equinox: `jmp_policy.eqx.filter_value_and_scaled_grad`; NNX: "
+        "`grad_fn=nnx.value_and_grad`), or scale the loss yourself with "
+        "`jmp_policy.get_loss_scale(opt_state).scale(loss)` inside the differentiated "
+        "function (that marks it too).",
+        LossScalingWarning,
+    )
+
+
+def _half_leaves(tree: Any) -> list[str]:
+    found = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and dtype in (jnp.float16, jnp.bfloat16):
+            found.append(f"{jax.tree_util.keystr(path)} ({jnp.dtype(dtype).name})")
+    return found
+
+
+def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
+    # A state that declares it (low_precision_optimizer's) keeps 16-bit parameters and moments
+    # on purpose, their small updates kept. Read from the class, so that this module does not
+    # import the low-precision layer below it.
+    on_purpose = lambda x: getattr(type(x), "keeps_16_bit_updates", False) is True  # noqa: E731
+    if any(on_purpose(x) for x in jax.tree.leaves(inner_state, is_leaf=on_purpose)):
+        return
+    for what, tree in (("parameters", params), ("the inner optimizer state", inner_state)):
+        half = _half_leaves(tree)
+        if half:
+            shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")
+            warn_at_user_line(
+                f"loss_scaling: {what} are in half precision ({shown}). Weight updates must "
+                "not run in float16/bfloat16: small updates round away and Adam's eps "
+                "underflows to 0 in float16. Keep float32 master weights and cast a copy for "
+                "the forward pass, e.g. `policy = jmp_policy.get_policy('mixed_float16')`, "
+                "`params = policy.cast_to_param(params)` before `init`, and "
+                "`policy.cast_to_compute(params)` inside the loss. Or keep them in bfloat16 "
+                "without losing the small updates: wrap the optimizer in "
+                "`jmp_policy.low_precision_optimizer` (stochastic rounding, Kahan or split).",
+                UserWarning,
+            )
