@@ -27,24 +27,29 @@ import numpy as np
 from flax.core import unfreeze
 
 from jmp_policy import matmul
-from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed, recomputes
+from jmp_policy._flax_layers import (
+    LINEN_NORMS,
+    TAKEN_OVER,
+    carry_keeps_its_dtype,
+    fp8_dot_for,
+    linen_compute_in,
+    linen_softmax_in_float32,
+    recomputed,
+    recomputes,
+    take_over_matmul,
+)
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
 from jmp_policy.census import traced_once, warn_float32_matmuls
-from jmp_policy.fp8 import Fp8DotGeneral, float8_format, fp8_layer
-from jmp_policy.overrides import FLOAT32, Overrides, is_compute_dtype, island_scope
+from jmp_policy.overrides import FLOAT32, Overrides, island_scope
 from jmp_policy.policy import (
     Policy,
     casting_policy,
     check_model_policy,
-    is_floating_array,
 )
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
-    {
-        cls: FLOAT32
-        for cls in (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm)
-    }
+    dict.fromkeys(LINEN_NORMS, FLOAT32)
 )
 """The default overrides: Flax's normalisation layers compute in float32."""
 
@@ -117,19 +122,22 @@ class MixedPrecisionModule:
                     self._stack.pop()
             if self._seen is not None:
                 self._seen.note(path, module, policy)
-            _fp8_matmuls(module, policy, path)
+            fp8_dot = fp8_dot_for(module, policy, path)
+            if fp8_dot is not None:  # the bound module is a per-call clone
+                object.__setattr__(module, "dot_general", fp8_dot)
             cast = casting_policy(policy)
-            _compute_in(module, cast.compute_dtype)
-            _softmax_in_float32(module, cast)
+            linen_compute_in(module, cast.compute_dtype)
+            linen_softmax_in_float32(module, cast)
             out_dtype = (
-                None  # a float8 policy's layers are float8's (`_fp8_matmuls`)
+                None  # a float8 policy's layers are float8's (`fp8_dot_for`)
                 if policy.compute_dtype.itemsize == 1
-                else _weights_cast_inside(
+                else take_over_matmul(
                     module,
-                    context.method_name,
                     cast.compute_dtype,
                     self.reduce_dtype,
                     self.accumulate_dtype,
+                    object.__setattr__,
+                    lookup=context.method_name == "__call__",
                 )
             )
             outer = casting_policy(self._stack[-1] if self._stack else self.policy)
@@ -152,7 +160,7 @@ class MixedPrecisionModule:
             if out_dtype is not None:
                 out = cast.with_compute_dtype(out_dtype).cast_to_compute(bias.add_to(out))
             if path and args and not isinstance(module.parent, nn.Module):
-                out = _carry_keeps_its_dtype(args[0], out)
+                out = carry_keeps_its_dtype(args[0], out)
             return out
 
         return intercept
@@ -353,7 +361,7 @@ class MixedPrecisionModule:
             return False
         leaves = jax.tree_util.tree_leaves_with_path(variables["params"])
         owners = {paths.owner(_keys(path)[:-1]) for path, _ in leaves}
-        # 16 bits; a float8 policy's layers are left as they are (`_fp8_matmuls`).
+        # 16 bits; a float8 policy's layers are left as they are (`fp8_dot_for`).
         return any(
             owner in paths.not_taken_over and paths.policies[owner].compute_dtype.itemsize == 2
             for owner in owners
@@ -383,16 +391,12 @@ def _params_and_rest(variables: dict) -> tuple[Any, dict]:
     return variables.get("params", {}), {k: v for k, v in variables.items() if k != "params"}
 
 
-_TAKEN_OVER = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Embed)
-"""Layers whose matmul (or lookup) `_weights_cast_inside` takes over."""
-
-
 @dataclasses.dataclass
 class _Paths:
     """What a run of the model showed: the policy of each module path it reached, the paths
     of Flax layers that cast their own parameters where they use them (a `promote_dtype`
     field: their parameters are not cast before the call), and the paths of modules whose
-    matmuls are not taken over (not `_TAKEN_OVER`)."""
+    matmuls are not taken over (not `_flax_layers.TAKEN_OVER`)."""
 
     policies: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
     cast_at_use: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
@@ -402,7 +406,7 @@ class _Paths:
         self.policies[path] = policy
         if "promote_dtype" in getattr(module, "__dataclass_fields__", {}):
             self.cast_at_use.add(path)
-        if not isinstance(module, _TAKEN_OVER):
+        if not isinstance(module, TAKEN_OVER):
             self.not_taken_over.add(path)
 
     def owner(self, module_path: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -418,89 +422,9 @@ class _Paths:
         return default if owner is None else self.policies[owner]
 
 
-def _carry_keeps_its_dtype(carry_in: Any, out: Any) -> Any:
-    """A lifted body's `(carry, y)` result with the carry in its input dtypes.
-
-    Lifted transforms (`nn.scan`, `nn.remat`, `nn.vmap`, `nn.jit`) run a clone
-    of the module whose parent is a Scope; its inputs were cast inside the
-    transform, but `lax.scan` fixed the carry's type from the uncast input, so
-    a carry that came in as float32 (from a float32 island) must leave as
-    float32. Results of any other form are returned as they are.
-    """
-    if not (isinstance(out, tuple) and len(out) == 2):
-        return out
-    carry_out, y = out
-    if jax.tree.structure(carry_out) != jax.tree.structure(carry_in):
-        return out
-
-    def like(new, old):
-        old_dtype = getattr(old, "dtype", None)
-        if is_floating_array(new) and old_dtype is not None and new.dtype != old_dtype:
-            return new.astype(old_dtype)
-        return new
-
-    return jax.tree.map(like, carry_out, carry_in), y
-
-
-def _compute_in(module: nn.Module, dtype: np.dtype) -> None:
-    """The policy decides the module's computation dtype, whatever the model wrote.
-
-    Linen layers promote their inputs and kernels to their `dtype`, so a layer
-    given `dtype=self.dtype` or `dtype=config.dtype` (float32 by default, as in
-    Flax's examples) would compute in float32 whatever its inputs are. A
-    floating (or unset) `dtype` field, and the floating `dtype` of a config
-    dataclass held in a field, become the policy's compute dtype; an integer or
-    bool `dtype` (indices, masks) is left alone. The bound module is a per-call
-    clone, so the user's module is untouched.
-    """
-    fields = getattr(module, "__dataclass_fields__", {})
-    if "dtype" in fields and is_compute_dtype(getattr(module, "dtype", None)):
-        object.__setattr__(module, "dtype", dtype)
-    for name in fields:
-        config = getattr(module, name, None)
-        if not dataclasses.is_dataclass(config) or isinstance(config, (type, nn.Module)):
-            continue
-        given = getattr(config, "dtype", None)
-        if (
-            given is not None
-            and "dtype" in {f.name for f in dataclasses.fields(config)}
-            and is_compute_dtype(given)
-            and jnp.dtype(given) != dtype
-        ):
-            object.__setattr__(module, name, dataclasses.replace(config, dtype=dtype))
-
-
-def _weights_cast_inside(
-    module: nn.Module, method: str, compute: np.dtype, reduce_dtype: Any, accumulate: Any
-) -> np.dtype | None:
-    """Flax's Dense, DenseGeneral and Conv multiply through `jmp_policy.matmul` (their kernel
-    cast inside the matmul, its gradient made and summed across devices in float32), and
-    Embed gathers float32 rows; returns the dtype their output is cast to (None: the layer
-    is left as Flax wrote it). The bound module is a per-call clone."""
-    if compute == jnp.float32 or (reduce_dtype is None and accumulate is None):
-        return None
-    fields = getattr(module, "__dataclass_fields__", {})
-    if "promote_dtype" not in fields:
-        return None
-    if isinstance(module, nn.Embed) and method == "__call__" and reduce_dtype is not None:
-        object.__setattr__(module, "promote_dtype", matmul.promote_for_lookup)
-        return compute
-    if isinstance(module, (nn.Dense, nn.DenseGeneral)):
-        hook = "dot_general"
-    elif isinstance(module, nn.Conv):
-        hook = "conv_general_dilated"
-    else:
-        return None
-    # A bias over the output's trailing axes is added after the layer (`matmul.promote_bias_after`).
-    trailing = not getattr(module, "batch_dims", ())
-    return matmul.take_over(
-        module, hook, compute, reduce_dtype, accumulate, object.__setattr__, trailing
-    )
-
-
 @contextlib.contextmanager
 def _layer_casting_inside(out_dtype: np.dtype | None):
-    """Around a layer `_weights_cast_inside` took over (`out_dtype` set): its bias is left
+    """Around a layer `take_over_matmul` took over (`out_dtype` set): its bias is left
     for the caller to add (`matmul.adding_bias_after`); where Flax adds it itself (a layer
     whose bias is not over the trailing axes), it adds a float32 bias to the matmul's
     result under standard promotion."""
@@ -509,44 +433,6 @@ def _layer_casting_inside(out_dtype: np.dtype | None):
         return
     with jax.numpy_dtype_promotion("standard"), matmul.adding_bias_after() as bias:
         yield bias
-
-
-def _softmax_in_float32(module: nn.Module, policy: Policy) -> None:
-    """Attention modules (Flax's MultiHeadDotProductAttention) get a float32 softmax: Flax's
-    default attention becomes `attention_with_float32_softmax` (one half-precision copy of
-    the weights kept); a custom `attention_fn` or einsum gets Flax's `force_fp32_for_softmax`.
-
-    The bound module is a per-call clone, so the user's module is untouched.
-    """
-    fields = getattr(module, "__dataclass_fields__", {})
-    if "force_fp32_for_softmax" not in fields or policy.compute_dtype == jnp.float32:
-        return
-    custom = ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
-    if getattr(module, "attention_fn", None) is nn.dot_product_attention and all(
-        getattr(module, name, None) is None for name in custom
-    ):
-        object.__setattr__(module, "attention_fn", attention_with_float32_softmax)
-    else:
-        object.__setattr__(module, "force_fp32_for_softmax", True)
-
-
-def _fp8_matmuls(module: nn.Module, policy: Policy, path: tuple[str, ...]) -> None:
-    """Under a float8 policy, a Dense-like layer multiplies in float8 (`Fp8DotGeneral`).
-
-    Only layers that take a `dot_general` and were given none, and not the
-    logits head or the embedding (`jmp_policy.fp8.FP8_EXCLUDE`, matched
-    against the module path). The bound module is a per-call clone, so the
-    user's module is untouched.
-    """
-    fields = getattr(module, "__dataclass_fields__", {})
-    if (
-        not fp8_layer(policy.compute_dtype, "/".join(path))
-        or "dot_general" not in fields
-        or module.dot_general is not None
-        or getattr(module, "dot_general_cls", None) is not None
-    ):
-        return
-    object.__setattr__(module, "dot_general", Fp8DotGeneral(float8_format(policy.compute_dtype)))
 
 
 def _call_key(method, args, kwargs) -> Any:

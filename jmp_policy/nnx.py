@@ -20,18 +20,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype as flax_promote_dtype
-from jax import lax
 
 from jmp_policy import matmul
 from jmp_policy._compat import set_variable_value, variable_value
-from jmp_policy._flax_layers import attention_with_float32_softmax, recomputed, recomputes
+from jmp_policy._flax_layers import (
+    NNX_NORMS,
+    attention_with_float32_softmax,
+    fp8_dot_for,
+    recomputed,
+    recomputes,
+    take_over_matmul,
+)
 from jmp_policy._pytree import signature
 from jmp_policy.autocast import cast_at_use
 from jmp_policy.census import traced_once, warn_float32_matmuls
-from jmp_policy.fp8 import Fp8DotGeneral, float8_format, fp8_layer
 from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy.policy import (
-    BLOCK_FORMATS,
     Policy,
     cast_floating,
     casting_policy,
@@ -39,12 +43,7 @@ from jmp_policy.policy import (
 )
 from jmp_policy.transform import find_loss_scaling_state, unless_skipped
 
-NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
-    {
-        cls: FLOAT32
-        for cls in (nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm, nnx.InstanceNorm)
-    }
-)
+NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(dict.fromkeys(NNX_NORMS, FLOAT32))
 """The default overrides: Flax's normalisation layers compute in float32."""
 
 _CLASSES: dict[tuple[type, str], type] = {}
@@ -256,9 +255,9 @@ def mixed_precision(
         _take_back_hooks(module)
         _apply_to_module(module, resolved[path], path)
         out_dtype = (
-            None  # a float8 policy's layers are float8's (`_fp8_matmuls`)
+            None  # a float8 policy's layers are float8's (`fp8_dot_for`)
             if resolved[path].compute_dtype.itemsize == 1
-            else _weights_cast_inside(
+            else take_over_matmul(
                 module, resolved[path].compute_dtype, reduce_dtype, accumulate_dtype
             )
         )
@@ -391,7 +390,9 @@ def _apply_to_module(module: nnx.Module, policy: Policy, path: tuple[str, ...]) 
     if given is not _ABSENT and is_compute_dtype(given):
         # An integer or bool `dtype` (indices, masks) is the model's, not the policy's.
         setattr(module, "dtype", compute)  # noqa: B010
-    _fp8_matmuls(module, policy, path)
+    fp8_dot = fp8_dot_for(module, policy, path)  # float8's, or Flax's back
+    if fp8_dot is not None:
+        setattr(module, "dot_general", fp8_dot)  # noqa: B010
     half = compute != jnp.float32
     if half and getattr(module, "attention_fn", None) is nnx.dot_product_attention:
         setattr(module, "attention_fn", attention_with_float32_softmax)  # noqa: B010
@@ -402,56 +403,8 @@ def _apply_to_module(module: nnx.Module, policy: Policy, path: tuple[str, ...]) 
             set_variable_value(value, policy.cast_to_param(variable_value(value)))
 
 
-def _fp8_matmuls(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> None:
-    """Under a float8 policy, a Linear-like layer multiplies in float8 (`Fp8DotGeneral`).
-
-    Only layers with Flax's default `dot_general` (none given by the user),
-    and not the logits head or the embedding (`jmp_policy.fp8.FP8_EXCLUDE`,
-    matched against the path). A layer this function put in float8 gets
-    `lax.dot_general` back when it moves to another policy; a user's own
-    `Fp8DotGeneral` stays.
-    """
-    current = getattr(module, "dot_general", _ABSENT)
-    if current is _ABSENT or getattr(module, "dot_general_cls", None) is not None:
-        return
-    fp8 = fp8_layer(policy.compute_dtype, "/".join(path))
-    ours = any(current is dot for dot in _POLICY_FP8_DOTS.values())  # equal is not enough
-    if fp8 and (current in (None, lax.dot_general) or ours):
-        dot = _POLICY_FP8_DOTS[float8_format(policy.compute_dtype)]
-        setattr(module, "dot_general", dot)  # noqa: B010
-    elif not fp8 and ours:
-        setattr(module, "dot_general", lax.dot_general)  # noqa: B010
-
-
-def _weights_cast_inside(
-    module: nnx.Module, compute: Any, reduce_dtype: Any, accumulate: Any
-) -> Any:
-    """Flax's Linear, LinearGeneral, Conv and Einsum multiply through `jmp_policy.matmul`
-    (their kernel cast inside the matmul, its gradient made and summed across devices in
-    float32), and Embed gathers float32 rows; returns the dtype their output is cast to,
-    None for a layer left as Flax wrote it."""
-    if compute == jnp.float32 or (reduce_dtype is None and accumulate is None):
-        return None
-    if not hasattr(module, "promote_dtype"):
-        return None
-    if isinstance(module, nnx.Embed) and reduce_dtype is not None:
-        setattr(module, "promote_dtype", matmul.promote_for_lookup)  # noqa: B010
-        return compute
-    if isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
-        hook = "dot_general"
-    elif isinstance(module, nnx.Conv):
-        hook = "conv_general_dilated"
-    elif isinstance(module, nnx.Einsum):
-        hook = "einsum_op"
-    else:
-        return None
-    # A bias over the output's trailing axes is added after the layer (`matmul.promote_bias_after`).
-    trailing = not isinstance(module, nnx.Einsum) and not getattr(module, "batch_axis", None)
-    return matmul.take_over(module, hook, compute, reduce_dtype, accumulate, bias_after=trailing)
-
-
 def _take_back_hooks(module: nnx.Module) -> None:
-    """Flax's defaults back where `_weights_cast_inside` set hooks, so calling
+    """Flax's defaults back where `take_over_matmul` set hooks, so calling
     `mixed_precision` again with another policy starts from the model as written."""
     for hook, default in matmul.FLAX_DEFAULTS.items():
         if isinstance(getattr(module, hook, None), matmul.MixedOp):
@@ -465,5 +418,3 @@ def _take_back_hooks(module: nnx.Module) -> None:
 
 
 _ABSENT = object()
-# One per format, told apart from a user's by identity.
-_POLICY_FP8_DOTS = {fmt: Fp8DotGeneral(fmt) for fmt in ("hybrid", *BLOCK_FORMATS.values())}
