@@ -19,7 +19,7 @@ from jmp_policy.debugger.interpreter import _Interpreter
 from jmp_policy.debugger.names import _float32_island, _hoisted, _layer_and_direction, _renamed
 from jmp_policy.debugger.report import PrecisionDebugReport
 from jmp_policy.debugger.run import _computes_in, _target_dtype, _with_seed
-from jmp_policy.debugger.values import _layer_stats, _masks
+from jmp_policy.debugger.values import Columns, _layer_stats, _masks
 from jmp_policy.policy import is_floating_array
 
 
@@ -90,21 +90,10 @@ class PrecisionStats:
                 f"Expected one call's statistics (vectors of {len(self.keys)}), got shape "
                 f"{np.shape(self.amax)}: index a batched or stacked PrecisionStats first."
             )
-        columns = [
-            np.asarray(jax.device_get(c), np.float64)
-            for c in (
-                self.count,
-                self.amax,
-                self.min_nonzero,
-                self.underflow,
-                self.overflow,
-                self.nonzero,
-                self.nonfinite,
-                self.underflow_magnitude,
-                self.magnitude,
-            )
-        ]
-        raw = {key: [float(c[i]) for c in columns] for i, key in enumerate(self.keys)}
+        columns = Columns(
+            *(np.asarray(jax.device_get(getattr(self, f)), np.float64) for f in Columns._fields)
+        )
+        raw = {key: Columns(*(float(c[i]) for c in columns)) for i, key in enumerate(self.keys)}
         largest = float(jnp.finfo(self.dtype).max)
         hoisted = _hoisted(k[0] for k in raw)
         return PrecisionDebugReport(
@@ -124,7 +113,6 @@ class PrecisionStats:
 
 
 # How each of the nine columns combines: counts and magnitudes add, amax and min>0 do not.
-_COMBINE = (jnp.add, jnp.maximum, jnp.minimum) + (jnp.add,) * 6
 
 
 class _InProgram(_Interpreter):
@@ -135,7 +123,7 @@ class _InProgram(_Interpreter):
         self.tiny, self.max = float(finfo.smallest_normal), float(finfo.max)
         self.dtype = dtype
         self.under_policy = under_policy
-        self.raw: dict[tuple, list[jax.Array]] = {}
+        self.raw: dict[tuple, Columns] = {}
         self.matmul_layers: set[str] = set()
         self.float32_layers: set[str] = set()
 
@@ -163,8 +151,8 @@ class _InProgram(_Interpreter):
                 if self.under_policy and island is None and value.dtype == self.dtype:
                     self._merge((*key, "target"), new)
 
-    def _columns(self, value: jax.Array) -> list:
-        """The nine columns for `value`."""
+    def _columns(self, value: jax.Array) -> Columns:
+        """The `Columns` of `value` (arrays)."""
         x = jnp.abs(value.astype(jnp.float32)).ravel()
         is_finite = jnp.isfinite(x)
         # As `debug_precision` counts them: masking constants and infinities are masks. (Not
@@ -180,8 +168,8 @@ class _InProgram(_Interpreter):
             return where.astype(jnp.float32)
 
         # One variadic reduction, not nine: a third less compile time for the program (the
-        # docs' training example: 6.9 s against 10.5 s).
-        operands = (
+        # docs' training example: 6.9 s against 10.5 s). Its first column counts the masks.
+        operands = Columns(
             count(masked),
             jnp.where(finite, x, 0.0),
             jnp.where(nonzero, x, jnp.inf),
@@ -192,30 +180,32 @@ class _InProgram(_Interpreter):
             jnp.where(under, x, 0.0),
             jnp.where(nonzero, x, 0.0),
         )
-        init = tuple(np.float32(v) for v in (0, 0, np.inf, 0, 0, 0, 0, 0, 0))
-        totals = jax.lax.reduce(
-            operands,
-            init,
-            lambda a, b: tuple(f(u, v) for f, u, v in zip(_COMBINE, a, b, strict=True)),
-            (0,),
+        init = Columns(*(np.float32(v) for v in (0, 0, np.inf, 0, 0, 0, 0, 0, 0)))
+        totals = Columns(
+            *jax.lax.reduce(
+                tuple(operands),
+                tuple(init),
+                lambda a, b: tuple(Columns(*a).combined(Columns(*b), jnp)),
+                (0,),
+            )
         )
-        return [jnp.float32(x.size) - totals[0], *totals[1:]]
+        return totals._replace(count=jnp.float32(x.size) - totals.count)
 
-    def _merge(self, key: tuple, new: list) -> None:
+    def _merge(self, key: tuple, new: Columns) -> None:
         old = self.raw.get(key)
-        if old is not None:
-            new = [f(o, n) for f, o, n in zip(_COMBINE, old, new, strict=True)]
-        self.raw[key] = new
+        self.raw[key] = new if old is None else old.combined(new, jnp)
 
     def stats(self) -> PrecisionStats:
         keys = tuple(self.raw)
-        columns = [
-            jnp.stack([self.raw[k][i] for k in keys]) if keys else jnp.zeros((0,), jnp.float32)
-            for i in range(9)
-        ]
+        columns = {
+            field: jnp.stack([getattr(self.raw[k], field) for k in keys])
+            if keys
+            else jnp.zeros((0,), jnp.float32)
+            for field in Columns._fields
+        }
         return PrecisionStats(
             jnp.asarray(True),
-            *columns,
+            **columns,
             keys=keys,
             dtype=self.dtype.name,
             matmul_layers=tuple(sorted(self.matmul_layers)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -52,8 +52,8 @@ class _Accumulator:
         self.dtype, self.unit_roundoff = dtype, float(finfo.eps) / 2
         self.loss_scale = loss_scale
         self.under_policy = under_policy
-        self.stats: dict[tuple[str, str], list] = {}
-        self.target_stats: dict[tuple[str, str], list] = {}  # values held in the target dtype
+        self.stats: dict[tuple[str, str], Columns] = {}
+        self.target_stats: dict[tuple[str, str], Columns] = {}  # values held in the target dtype
         self.op_errors: dict[tuple[str, str], float] = {}
         self.matmul_layers: set[str] = set()
         self.float32_layers: set[str] = set()
@@ -66,7 +66,7 @@ class _Accumulator:
         rounded to the target dtype. Works on traced values (`_Collector`).
         """
         floating_out = [o for o in outs if is_floating_array(o)]
-        if not floating_out or eqn.primitive.name == "convert_element_type":
+        if not floating_out or eqn.primitive is _jaxpr.CONVERT:
             return None  # a cast only rounds (an overflow shows as an inf it made)
         if self.under_policy:
             change = [is_floating_array(v) and jnp.dtype(v.dtype) == self.dtype for v in invals]
@@ -143,16 +143,18 @@ class _Accumulator:
         xf = x[finite & ~masked]
         nonzero = xf[xf > 0]
         scaled = nonzero * (self.loss_scale if key[1] == "backward" else 1.0)
-        s = stats.setdefault(key, [0, 0.0, math.inf, 0, 0, 0, 0, 0.0, 0.0])
-        s[0] += x.size - int(masked.sum())
-        s[7] += float(nonzero[scaled < self.tiny].sum())
-        s[8] += float(nonzero.sum())
-        s[1] = max(s[1], float(xf.max()) if xf.size else 0.0)
-        s[2] = min(s[2], float(nonzero.min()) if nonzero.size else math.inf)
-        s[3] += int((scaled < self.tiny).sum())
-        s[4] += int((scaled > self.max).sum())
-        s[5] += int(nonzero.size)
-        s[6] += int((~finite & ~masked).sum())
+        new = Columns(
+            count=x.size - int(masked.sum()),
+            amax=float(xf.max()) if xf.size else 0.0,
+            min_nonzero=float(nonzero.min()) if nonzero.size else math.inf,
+            underflow=int((scaled < self.tiny).sum()),
+            overflow=int((scaled > self.max).sum()),
+            nonzero=int(nonzero.size),
+            nonfinite=int((~finite & ~masked).sum()),
+            underflow_magnitude=float(nonzero[scaled < self.tiny].sum()),
+            magnitude=float(nonzero.sum()),
+        )
+        stats[key] = stats[key].combined(new) if key in stats else new
 
     def layers(self, target: bool = False) -> tuple[LayerStats, ...]:
         return _layer_stats(self.target_stats if target else self.stats, self.max, self.loss_scale)
@@ -184,25 +186,39 @@ def _relative_error(full: list, low: list, unit_roundoff: float, mask_edge: floa
     return error
 
 
-# How each column of the raw statistics combines: counts and magnitudes add, amax and min>0
-# take the larger and the smaller.
-_COLUMNS = (sum, max, min) + (sum,) * 6
+class Columns(NamedTuple):
+    """The nine statistics of a layer's values, the one record both paths keep: the host's
+    (`debug_precision`, numbers) and the program's (`value_and_grad_with_stats`, arrays, the
+    fields of `PrecisionStats`). Counts and magnitudes add up; amax and min>0 take the
+    larger and the smaller (`combined`)."""
+
+    count: Any  # values, masking constants left out
+    amax: Any  # the largest finite magnitude
+    min_nonzero: Any  # the smallest nonzero finite magnitude (inf if none)
+    underflow: Any  # nonzero values below the target's smallest normal (at the loss scale)
+    overflow: Any  # finite values above the target's largest (at the loss scale)
+    nonzero: Any  # nonzero finite values
+    nonfinite: Any  # inf or NaN values that are not masks
+    underflow_magnitude: Any  # the summed magnitude of the values that underflow
+    magnitude: Any  # the summed magnitude of the nonzero finite values
+
+    def combined(self, other: Columns, xp: Any = np) -> Columns:
+        """Both records as one (`xp`: NumPy on the host, jax.numpy inside a program)."""
+        combine = (xp.add, xp.maximum, xp.minimum) + (xp.add,) * 6
+        return Columns(*(f(a, b) for f, a, b in zip(combine, self, other, strict=True)))
 
 
 def _layer_stats(raw: dict, largest: float, loss_scale: float) -> tuple[LayerStats, ...]:
-    """`LayerStats` from accumulated
-    `[count, amax, min>0, under, over, nonzero, non-finite, underflowing magnitude, magnitude]`,
-    a layer named relative to a loop counted in its full name (`_hoisted`)."""
+    """`LayerStats` from each `(layer, direction)`'s `Columns`, a layer named relative to a
+    loop counted in its full name (`_hoisted`)."""
     hoisted = _hoisted(layer for layer, _ in raw)
-    merged: dict[tuple[str, str], list] = {}
+    merged: dict[tuple[str, str], Columns] = {}
     for (layer, direction), columns in raw.items():
         key: tuple[str, str] = (hoisted[layer] if layer in hoisted else layer, direction)
-        if key in merged:
-            columns = [f((a, b)) for f, a, b in zip(_COLUMNS, merged[key], columns, strict=True)]
-        merged[key] = list(columns)
+        merged[key] = merged[key].combined(columns) if key in merged else Columns(*columns)
     out = []
     for (layer, direction), columns in merged.items():
-        count, amax, low, under, over, nonzero, bad, lost, mass = columns
+        count, amax, low, under, over, nonzero, bad, lost, mass = (float(c) for c in columns)
         scale = loss_scale if direction == "backward" else 1.0
         headroom = math.log2(largest / (amax * scale)) if amax > 0 else math.inf
         finite_count = count - bad
