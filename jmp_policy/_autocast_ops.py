@@ -373,7 +373,12 @@ def _downcasts() -> dict:
 
 def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> list:
     name = eqn.primitive.name
-    if rules.fp8 and name == "dot_general" and name in rules.allow and len(floating) == 2:
+    if (
+        rules.fp8
+        and eqn.primitive is _jaxpr.DOT_GENERAL
+        and name in rules.allow
+        and len(floating) == 2
+    ):
         lhs, rhs = invals
         dimension_numbers = eqn.params["dimension_numbers"]
         outer = _jaxpr.current_name_stack()

@@ -67,8 +67,8 @@ def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
         _record(outs, combined(_kinds(invals)))
         return outs
     has_subprogram = bool(list(jaxprs_in_params(eqn.params)))
-    if has_subprogram or name == "bitcast_convert_type" or ("callback" in name):
-        if name == "shard_map":
+    if has_subprogram or eqn.primitive is _jaxpr.BITCAST or _jaxpr.is_callback(eqn):
+        if name == _jaxpr.SHARD_MAP_NAME:
             raise NotImplementedError(
                 "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
                 "function instead (shard_map(autocast(f, policy), ...))."
@@ -142,7 +142,7 @@ def _eval_cast_at_use(eqn: Any, invals: list) -> list:
             return [_cast(out, eqn.outvars[0].aval.dtype)]
     outs = _bind(eqn, invals)
     if (
-        name == "convert_element_type"
+        eqn.primitive is _jaxpr.CONVERT
         and id(invals[0]) in _DOWNCASTS.stack[-1][0]
         and invals[0].dtype == _FLOAT32
         and _is_float(outs[0])

@@ -63,11 +63,22 @@ RAGGED_DOT = _bound_by(
 MATMULS = frozenset({DOT_GENERAL, CONV, RAGGED_DOT})
 """Matrix multiplications and convolutions: what runs in half precision (or float8)."""
 
+
+def _bound_inside(fun: Callable[..., Any], *args: Any) -> Any:
+    """The last primitive `fun(*args)` binds, inside the calls it makes."""
+    return [e for e, _ in walk(jax.make_jaxpr(fun)(*args)) if not is_call(e)][-1].primitive
+
+
 CALLS = frozenset({_primitives.jit_p, _primitives.closed_call_p, _primitives.call_p})
 """Primitives that run their one sub-program once, where they stand (`jax.jit`, ...)."""
 FALLBACK_NAMES = frozenset({"eval_jaxpr"})
 """Names of call primitives the installed JAX may not expose (see the module docstring)."""
+SHARD_MAP_NAME = "shard_map"
+"""`jax.shard_map`'s primitive, read by name: finding its object means tracing a mesh at
+import (tests/test_jaxpr.py checks the name)."""
 
+CONVERT = _primitives.convert_element_type_p
+BITCAST = _primitives.bitcast_convert_type_p
 REMAT = _primitives.remat_p
 SCAN = _primitives.scan_p
 WHILE = _primitives.while_p
@@ -86,6 +97,12 @@ def is_call(eqn: Any) -> bool:
 
 def is_matmul(eqn: Any) -> bool:
     return eqn.primitive in MATMULS
+
+
+def is_callback(eqn: Any) -> bool:
+    """A host callback (`jax.pure_callback`, `io_callback`, `jax.debug.callback`): by name,
+    as JAX has one primitive per kind of callback."""
+    return "callback" in eqn.primitive.name
 
 
 def matmul_names() -> frozenset[str]:
@@ -219,3 +236,16 @@ def relative(path: str) -> str:
     """A `module_path` without the root module's own name: what `overrides` match."""
     parts = path.split("/")
     return "/".join(parts[1:]) if len(parts) > 1 else path
+
+
+_F8, _SCALE = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+BLOCK_SCALED_MATMUL = _bound_inside(
+    jax.nn.scaled_matmul,
+    jax.ShapeDtypeStruct((1, 32, 64), _F8),
+    jax.ShapeDtypeStruct((1, 16, 64), _F8),
+    jax.ShapeDtypeStruct((1, 32, 2), _SCALE),
+    jax.ShapeDtypeStruct((1, 16, 2), _SCALE),
+)
+"""JAX's block-scaled GEMM: what `jax.nn.scaled_matmul` (and `jax.nn.scaled_dot_general`)
+binds inside its `jit`, operands `(B, M, K)` and `(B, N, K)` of quantized values and their
+blocks' scales."""

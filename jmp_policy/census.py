@@ -34,9 +34,6 @@ from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 MATMULS = _jaxpr.matmul_names()
 """The names of the matmul primitives (`_jaxpr.MATMULS`): dot_general, conv_general_dilated,
 and the ragged dot (`lax.ragged_dot`'s primitive)."""
-BLOCK_GEMMS = frozenset({"scaled_matmul_wrapper", "scaled_matmul"})
-"""JAX's block-scaled GEMM (`jax.nn.scaled_matmul`, which `jax.nn.scaled_dot_general` calls):
-operands `(B, M, K)` and `(B, N, K)` of quantized values, and their blocks' scales."""
 _BLOCK_VALUES = {"float8_e4m3fn": "mxfp8", "float8_e5m2": "mxfp8", "float4_e2m1fn": "nvfp4"}
 
 
@@ -83,7 +80,7 @@ def _matmul_shape_info(eqn: JaxprEqn) -> tuple[int, list[int], list[int]]:
     """
     out_shape = _aval(eqn.outvars[0]).shape
     lhs, rhs = _aval(eqn.invars[0]).shape, _aval(eqn.invars[1]).shape
-    if eqn.primitive.name in BLOCK_GEMMS:  # (B, M, K) x (B, N, K)
+    if eqn.primitive is _jaxpr.BLOCK_SCALED_MATMUL:  # (B, M, K) x (B, N, K)
         return 2 * _prod(out_shape) * lhs[-1], [lhs[-1]], [lhs[-2], rhs[-2]]
     if eqn.primitive is _jaxpr.CONV:
         rhs_spec = eqn.params["dimension_numbers"].rhs_spec
@@ -198,17 +195,17 @@ class PrecisionReport:
 
 
 def _convert_count(jaxpr: Jaxpr | ClosedJaxpr) -> int:
-    return sum(t for e, t in _jaxpr.walk(jaxpr) if e.primitive.name == "convert_element_type")
+    return sum(t for e, t in _jaxpr.walk(jaxpr) if e.primitive is _jaxpr.CONVERT)
 
 
 def _block_format(eqn: JaxprEqn, stack: str | None = None) -> str | None:
     """The format ("mxfp8", "nvfp4") of a block-scaled GEMM: JAX's, or the emulation's
     matmul (`jmp_policy.block_scaled`); else None. `stack`: the equation's whole name stack,
     where it is not the equation's own."""
-    if eqn.primitive.name in BLOCK_GEMMS:
+    if eqn.primitive is _jaxpr.BLOCK_SCALED_MATMUL:
         return _BLOCK_VALUES.get(jnp.dtype(_aval(eqn.invars[0]).dtype).name, "block_scaled")
     stack = str(eqn.source_info.name_stack) if stack is None else stack
-    if eqn.primitive.name != "dot_general" or SCOPE not in stack:
+    if eqn.primitive is not _jaxpr.DOT_GENERAL or SCOPE not in stack:
         return None
     # The scope's name, also inside a transform's wrapping: `jvp(block_scaled_mxfp8)`.
     return re.split(r"\W", stack[stack.index(SCOPE) + len(SCOPE) :], maxsplit=1)[0]
@@ -294,7 +291,7 @@ def float32_matmuls(
         region = in_region or eqn.params.get("name") == _REGION
         for sub in jaxprs_in_params(eqn.params):
             yield from float32_matmuls(sub, stack, region)
-        if eqn.primitive.name not in MATMULS or compute_dtype(eqn) != np.float32:
+        if not _jaxpr.is_matmul(eqn) or compute_dtype(eqn) != np.float32:
             continue
         if _block_format(eqn, stack) is not None:  # its format's GEMM (emulated in float32)
             continue
@@ -311,7 +308,7 @@ def float32_matmuls(
 def _why_float32(eqn: JaxprEqn, producers: dict, inputs: set) -> str:
     for var in eqn.invars[:2]:
         made = producers.get(var)
-        if made is not None and made.primitive.name == "convert_element_type":
+        if made is not None and made.primitive is _jaxpr.CONVERT:
             source = getattr(_aval(made.invars[0]), "dtype", None)
             if source in _HALF_DTYPES:
                 return (

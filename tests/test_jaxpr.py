@@ -195,3 +195,31 @@ def test_fallback_names_are_absent_on_purpose_and_still_read():
 )
 def test_one_module_path_from_a_name_stack(stack, path):
     assert _jaxpr.module_path(stack, ("jmp_float32_override",)) == path
+
+
+def test_the_primitives_read_by_name_or_found_inside_a_call_are_what_jax_binds():
+    """`jax.nn.scaled_matmul`'s GEMM (found inside its `jit`), the conversions, and the two
+    kinds read by name: `shard_map` (its object needs a mesh at import) and host callbacks."""
+
+    def inner(fun, *args):
+        return [e.primitive for e, _ in _jaxpr.walk(jax.make_jaxpr(fun)(*args))]
+
+    f8, scale = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+    blocks = [
+        jax.ShapeDtypeStruct(shape, dtype)
+        for shape, dtype in (((1, 32, 64), f8), ((1, 16, 64), f8), ((1, 32, 2), scale))
+    ]
+    blocks.append(jax.ShapeDtypeStruct((1, 16, 2), scale))
+    assert _jaxpr.BLOCK_SCALED_MATMUL in inner(jax.nn.scaled_matmul, *blocks)
+    assert inner(lambda x: x.astype(jnp.float16), X) == [_jaxpr.CONVERT]
+    assert inner(lambda x: lax.bitcast_convert_type(x, jnp.int32), X) == [_jaxpr.BITCAST]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("i",))
+    mapped = jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    assert [p.name for p in inner(mapped, X)][0] == _jaxpr.SHARD_MAP_NAME
+
+    def calls(x):
+        jax.debug.callback(lambda v: None, x)
+        return jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    program = jax.make_jaxpr(calls)(X)
+    assert [_jaxpr.is_callback(e) for e in program.eqns] == [True, True]

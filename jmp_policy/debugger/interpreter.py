@@ -201,11 +201,11 @@ class _Collector(_Interpreter):
     def _structured(
         self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool
     ) -> list | None:
-        name = eqn.primitive.name
-        if name not in ("scan", "while", "cond"):
+        primitive = eqn.primitive
+        if primitive not in (_jaxpr.SCAN, _jaxpr.WHILE, _jaxpr.COND):
             return None
         p, where = eqn.params, self._where(eqn)
-        if name == "cond":
+        if primitive is _jaxpr.COND:
             index, runs, flags = invals[0], [], []
             if not isinstance(index, jax.Array):  # a literal: only that branch can run
                 taken = int(np.clip(int(index), 0, len(p["branches"]) - 1))
@@ -221,7 +221,7 @@ class _Collector(_Interpreter):
             if len(runs) == 1:
                 return runs[0]
             return [jax.lax.select_n(index, *values) for values in zip(*runs, strict=True)]
-        if name == "scan":
+        if primitive is _jaxpr.SCAN:
             nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
             consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
             carry_flags, xs_flags = in_flags[nc : nc + nk], in_flags[nc + nk :]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_policy import _naming
+from jmp_policy import _jaxpr, _naming
 from jmp_policy._compat import jaxprs_in_params
 from jmp_policy._pytree import is_traced_leaf, split_traced
 from jmp_policy.debugger.interpreter import _Collector
@@ -176,7 +176,7 @@ def debug_precision(
 def _computes_in(jaxpr: Any, dtype: np.dtype) -> bool:
     """Whether some operation of `jaxpr` (or of a program inside it) outputs `dtype` values."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name != "convert_element_type" and any(
+        if eqn.primitive is not _jaxpr.CONVERT and any(
             getattr(v.aval, "dtype", None) == dtype for v in eqn.outvars
         ):
             return True
