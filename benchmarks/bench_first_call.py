@@ -1,0 +1,126 @@
+"""The first call of a Flax model under a policy: how often the model runs, and its trace time.
+
+The first call with each input signature checks the mixed program for float32 matmuls; it
+should cost one run of the model's Python (`linen.mixed_precision` after `init`, the usual
+TrainState way; `nnx.mixed_precision`), not one run for the check and another for the call.
+Printed per model: the runs counted in the model's own `__call__`, and the first call's trace
+time (`jax.make_jaxpr` of a fresh wrapper's first call, best of `--repeats`) as a ratio
+against Flax's own `dtype=` model's trace, measured in the same run. CPU-only and Python-bound:
+the ratio is the figure, not the seconds.
+
+    python benchmarks/bench_first_call.py [--blocks 4 16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jmp_policy as jmp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from models import GPT, NNXGPT  # noqa: E402
+
+RUNS: list[str] = []
+
+
+class CountedGPT(GPT):
+    """`GPT`, counting the runs of its `__call__` (each is a trace)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        RUNS.append("linen")
+        return super().__call__(tokens)
+
+
+class CountedNNXGPT(NNXGPT):
+    def __call__(self, tokens):
+        RUNS.append("nnx")
+        return super().__call__(tokens)
+
+
+def _best(fun, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fun()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def linen_row(blocks: int, repeats: int) -> str:
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    model = CountedGPT(vocab=64, dim=64, length=32, layers=blocks)
+    variables = model.init(jax.random.key(0), tokens)
+    own = GPT(vocab=64, dim=64, length=32, layers=blocks, dtype=jnp.bfloat16)
+    base = _best(lambda: jax.make_jaxpr(lambda v, t: own.apply(v, t))(variables, tokens), repeats)
+    ratios, runs = {}, {}
+    for case in ("after init", "without init"):
+        times = []
+        for _ in range(repeats):
+            mixed = jmp.linen.mixed_precision(model, "mixed_bfloat16")
+            if case == "after init":
+                mixed.init(jax.random.key(0), tokens)
+            RUNS.clear()
+            start = time.perf_counter()
+            jax.make_jaxpr(lambda v, t, m=mixed: m.apply(v, t))(variables, tokens)
+            times.append(time.perf_counter() - start)
+            runs[case] = len(RUNS)
+        ratios[case] = min(times) / base
+    return (
+        f"| Linen GPT, {blocks} blocks | {base * 1e3:.0f} ms | "
+        f"{runs['after init']} run, {ratios['after init']:.2f}x | "
+        f"{runs['without init']} runs (a recording run first), {ratios['without init']:.2f}x |"
+    )
+
+
+def nnx_row(blocks: int, repeats: int) -> str:
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    own = NNXGPT(64, 64, blocks, rngs=nnx.Rngs(0))
+    for _, module in nnx.iter_graph(own):  # Flax's own dtype= on every layer
+        if isinstance(module, nnx.Module) and hasattr(module, "dtype"):
+            module.dtype = jnp.bfloat16
+    graph, state = nnx.split(own)
+    base = _best(
+        lambda: jax.make_jaxpr(lambda s, t: nnx.merge(graph, s)(t))(state, tokens), repeats
+    )
+    times = []
+    for _ in range(repeats):
+        model = jmp.nnx.mixed_precision(
+            CountedNNXGPT(64, 64, blocks, rngs=nnx.Rngs(0)), "mixed_bfloat16"
+        )
+        graph2, state2 = nnx.split(model)
+        RUNS.clear()
+        start = time.perf_counter()
+        jax.make_jaxpr(lambda s, t, g=graph2: nnx.merge(g, s)(t))(state2, tokens)
+        times.append(time.perf_counter() - start)
+    return f"| NNX GPT, {blocks} blocks | {base * 1e3:.0f} ms | {len(RUNS)} run, {min(times) / base:.2f}x | |"
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    lines = [
+        "| model (2 x 32 tokens, d 64) | Flax's own dtype= trace | first call | "
+        "first call, no earlier run |",
+        "|---|---|---|---|",
+    ]
+    for blocks in args.blocks:
+        lines.append(linen_row(blocks, args.repeats))
+        lines.append(nnx_row(blocks, args.repeats))
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
