@@ -44,8 +44,10 @@ from jmp_policy.census import traced_once, warn_float32_matmuls
 from jmp_policy.overrides import FLOAT32, Overrides, island_scope
 from jmp_policy.policy import (
     Policy,
+    cast_floating,
     casting_policy,
     check_model_policy,
+    is_floating_array,
 )
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
@@ -199,13 +201,17 @@ class MixedPrecisionModule:
 
     def _cast_params(self, params, paths: _Paths, to: str):
         def cast(path, leaf):
-            module = _keys(path)[:-1]
-            if to == "compute" and module in paths.cast_at_use:
-                return leaf  # the layer casts it where it uses it
-            policy = casting_policy(paths.policy_of(module, self.policy))
-            return getattr(policy, f"cast_to_{to}")(leaf)
+            target = self._cast_target(paths, _keys(path)[:-1], to)
+            return leaf if target is None else cast_floating(leaf, target)
 
         return jax.tree_util.tree_map_with_path(cast, params)
+
+    def _cast_target(self, paths: _Paths, module: tuple[str, ...], to: str) -> Any:
+        """The dtype a parameter of `module` is cast to before the call (None: as stored)."""
+        if to == "compute" and (paths.cast_nothing or module in paths.cast_at_use):
+            return None  # the layer casts it where it uses it
+        policy = casting_policy(paths.policy_of(module, self.policy))
+        return policy.compute_dtype if to == "compute" else policy.param_dtype
 
     def _borrowed_paths(self, key, method) -> _Paths | None:
         """The paths an earlier run of the same method showed (`init`'s, or another
@@ -264,13 +270,14 @@ class MixedPrecisionModule:
             # The first call with this signature runs the model once: the program it traces
             # serves the float32-matmul check and the call. The paths it was given (an
             # earlier run's) are checked against the modules it ran.
-            guess, found = self._borrowed_paths(key, method), None
-            if guess is not None:
-                try:
-                    found = self._first_trace(key, guess, *call)
-                except Exception:  # borrowed paths that do not fit this call (an error
-                    guess = None  # of the model's own is raised by the run below)
-            if guess is None or found is None:
+            # Without an earlier run, the parameters go in as stored: Flax's layers cast
+            # their own, and a float32 island's are float32 already.
+            guess, found = self._borrowed_paths(key, method) or _Paths(cast_nothing=True), None
+            try:
+                found = self._first_trace(key, guess, *call)
+            except Exception:  # paths that do not fit this call (an error of the model's
+                pass  # own is raised by the run below)
+            if found is None:
                 guess = self._learn_paths(variables, args, kwargs, method)
                 found = self._first_trace(key, guess, *call)
             paths, traced, first = found
@@ -368,18 +375,22 @@ class MixedPrecisionModule:
         )
 
     def _plan(self, paths: _Paths, variables, ran: _Paths) -> tuple:
-        """What `paths` decide for a call: the route (`cast_at_use` or not), the output's
-        policy, and the dtype each parameter of a module that `ran` is cast to."""
-        params = variables.get("params", {})
-        modules = [_keys(p)[:-1] for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        """What `paths` decide for the traced program: the route (`cast_at_use` or not), and
+        the dtype each floating parameter of a module that `ran` is cast to (None: none, or
+        its own dtype)."""
+
+        def target(path, leaf) -> Any:
+            module = _keys(path)[:-1]
+            dtype = self._cast_target(paths, module, "compute")
+            return None if dtype is None or not is_floating_array(leaf) else jnp.dtype(dtype)
+
+        leaves = jax.tree_util.tree_leaves_with_path(variables.get("params", {}))
         targets = tuple(
-            None
-            if module in paths.cast_at_use
-            else casting_policy(paths.policy_of(module, self.policy)).compute_dtype
-            for module in modules
-            if module in ran.policies
+            None if (t := target(path, leaf)) == leaf.dtype else t
+            for path, leaf in leaves
+            if _keys(path)[:-1] in ran.policies
         )
-        return self._casts_own_weights(paths, variables), paths.policy_of((), self.policy), targets
+        return self._casts_own_weights(paths, variables), targets
 
 
 def _keys(path: tuple) -> tuple[str, ...]:
@@ -401,6 +412,7 @@ class _Paths:
     policies: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
     cast_at_use: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
     not_taken_over: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
+    cast_nothing: bool = False  # a first call's guess without an earlier run
 
     def note(self, path: tuple[str, ...], module: nn.Module, policy: Policy) -> None:
         self.policies[path] = policy

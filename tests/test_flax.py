@@ -497,9 +497,38 @@ def test_linen_first_call_runs_the_model_once():
     rngs = {"dropout": jax.random.key(1)}
     jax.jit(lambda v, x: mixed.apply(v, x, train=True, rngs=rngs))(variables, jnp.ones((8, 6)))
     assert runs.flags == [True]
-    # The same results as a model that learnt its paths in a recording run first.
-    fresh = jmp.linen.mixed_precision(_Counted(_Runs()), "mixed_float16")
-    np.testing.assert_array_equal(fresh.apply(variables, x), mixed.apply(variables, x))
+    # Without an earlier run (parameters restored in a new process): one run too, the
+    # parameters going in as stored (Flax's layers cast their own; the LayerNorm's float32
+    # island takes them as they are), and the same results.
+    fresh_runs = _Runs()
+    fresh = jmp.linen.mixed_precision(_Counted(fresh_runs), "mixed_float16")
+    out = jax.jit(lambda v, x: fresh.apply(v, x))(variables, x)
+    assert fresh_runs.flags == [False]
+    np.testing.assert_array_equal(out, mixed.apply(variables, x))
+
+
+class _OwnMatmul(nn.Module):
+    """A module that multiplies by its own parameter (`x @ self.param`): it casts nothing."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], 4))
+        return nn.LayerNorm()(x @ w)
+
+
+def test_linen_first_call_without_an_earlier_run_traces_again_when_parameters_need_casts():
+    """Parameters that go in as stored are right for Flax's layers; a module's own matmul
+    needs its weight cast where it is used (`cast_at_use`): the call sees that from the
+    modules it ran and traces once more, with the same result as after `init`."""
+    x = jnp.ones((2, 6))
+    after_init = jmp.linen.mixed_precision(_OwnMatmul(), "mixed_float16")
+    variables = after_init.init(jax.random.key(0), x)
+    fresh = jmp.linen.mixed_precision(_OwnMatmul(), "mixed_float16")
+    out = fresh.apply(variables, x)
+    np.testing.assert_array_equal(out, after_init.apply(variables, x))
+    program = jax.make_jaxpr(lambda v: fresh.apply(v, x))(variables)
+    dots = [e for e in iter_equations(program) if e.primitive.name == "dot_general"]
+    assert [str(e.invars[1].aval.dtype) for e in dots] == ["float16"]
 
 
 def test_linen_paths_from_an_earlier_run_are_checked_against_the_call():
