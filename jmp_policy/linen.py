@@ -208,7 +208,7 @@ class MixedPrecisionModule:
 
     def _cast_target(self, paths: _Paths, module: tuple[str, ...], to: str) -> Any:
         """The dtype a parameter of `module` is cast to before the call (None: as stored)."""
-        if to == "compute" and (paths.cast_nothing or module in paths.cast_at_use):
+        if to == "compute" and module in paths.cast_at_use:
             return None  # the layer casts it where it uses it
         policy = casting_policy(paths.policy_of(module, self.policy))
         return policy.compute_dtype if to == "compute" else policy.param_dtype
@@ -222,6 +222,26 @@ class MixedPrecisionModule:
             if other == key[0]:
                 return paths
         return None
+
+    def _guessed_paths(self, variables) -> _Paths:
+        """Paths for a first call without an earlier run (parameters restored in a new
+        process), guessed from the parameters' names: a module holding only the names Flax's
+        layers give theirs (`_LAYER_PARAMS`) casts its own (they go in as stored; a float32
+        island's are float32 already); a module holding another is taken to use it itself,
+        under the model's policy (cast where used: `cast_at_use`). The call checks the guess
+        against the modules it ran."""
+        names: dict[tuple[str, ...], set[str]] = {}
+        for path, _ in jax.tree_util.tree_leaves_with_path(variables.get("params", {})):
+            keys = _keys(path)
+            names.setdefault(keys[:-1], set()).add(keys[-1])
+        guess = _Paths()
+        for module, held in names.items():
+            if held <= _LAYER_PARAMS:
+                guess.cast_at_use.add(module)
+            else:
+                guess.policies[module] = self.policy
+                guess.not_taken_over.add(module)
+        return guess
 
     def _learn_paths(self, variables, args, kwargs, method) -> _Paths:
         """The paths of the call's modules, from a recording run of the model as written
@@ -270,9 +290,8 @@ class MixedPrecisionModule:
             # The first call with this signature runs the model once: the program it traces
             # serves the float32-matmul check and the call. The paths it was given (an
             # earlier run's) are checked against the modules it ran.
-            # Without an earlier run, the parameters go in as stored: Flax's layers cast
-            # their own, and a float32 island's are float32 already.
-            guess, found = self._borrowed_paths(key, method) or _Paths(cast_nothing=True), None
+            guess = self._borrowed_paths(key, method) or self._guessed_paths(variables)
+            found = None
             try:
                 found = self._first_trace(key, guess, *call)
             except Exception:  # paths that do not fit this call (an error of the model's
@@ -398,6 +417,10 @@ def _keys(path: tuple) -> tuple[str, ...]:
     return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
 
 
+_LAYER_PARAMS = frozenset({"kernel", "bias", "embedding", "scale"})
+"""The names Flax's layers (Dense, Conv, Embed, the norms) give their parameters."""
+
+
 def _params_and_rest(variables: dict) -> tuple[Any, dict]:
     return variables.get("params", {}), {k: v for k, v in variables.items() if k != "params"}
 
@@ -412,7 +435,6 @@ class _Paths:
     policies: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
     cast_at_use: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
     not_taken_over: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
-    cast_nothing: bool = False  # a first call's guess without an earlier run
 
     def note(self, path: tuple[str, ...], module: nn.Module, policy: Policy) -> None:
         self.policies[path] = policy

@@ -100,6 +100,7 @@ def test_underflow_demo(tmp_path):
     assert (tmp_path / "underflow.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # about 40 s on 2 cores: .ci/run runs it after the suite (`-m slow`)
 def test_run_all_benchmarks_quick(tmp_path):
     # The whole suite in its fast mode: the all_finite and autocast benchmarks,
     # every model shape and variant of the train step, the compile-time sweep

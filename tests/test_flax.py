@@ -510,47 +510,34 @@ def test_linen_first_call_runs_the_model_once():
 class _OwnMatmul(nn.Module):
     """A module that multiplies by its own parameter (`x @ self.param`): it casts nothing."""
 
+    runs: _Runs
+    name_of_weight: str = "w"
+
     @nn.compact
     def __call__(self, x):
-        w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], 4))
+        self.runs.flags.append(x.shape)
+        w = self.param(self.name_of_weight, nn.initializers.lecun_normal(), (x.shape[-1], 4))
         return nn.LayerNorm()(x @ w)
 
 
-def test_linen_first_call_without_an_earlier_run_traces_again_when_parameters_need_casts():
-    """Parameters that go in as stored are right for Flax's layers; a module's own matmul
-    needs its weight cast where it is used (`cast_at_use`): the call sees that from the
-    modules it ran and traces once more, with the same result as after `init`."""
+@pytest.mark.standard_promotion  # JAX's default: the wrong guess's trace runs (in float32)
+@pytest.mark.parametrize(("name", "runs"), [("w", 1), ("kernel", 2)])
+def test_linen_first_call_without_an_earlier_run_guesses_the_casts_and_checks_them(name, runs):
+    """Without an earlier run the first call guesses from the parameters' names which modules
+    cast their own (Flax's layers: kernel, bias, embedding, scale) and which use theirs
+    themselves (cast where used, `cast_at_use`); it checks the guess against the modules it
+    ran. Right (`w`): one run. Wrong (a module's own `kernel`): traced again. Either way the
+    result is the one after `init`, the weight in float16 at its matmul."""
     x = jnp.ones((2, 6))
-    after_init = jmp.linen.mixed_precision(_OwnMatmul(), "mixed_float16")
+    after_init = jmp.linen.mixed_precision(_OwnMatmul(_Runs(), name), "mixed_float16")
     variables = after_init.init(jax.random.key(0), x)
-    fresh = jmp.linen.mixed_precision(_OwnMatmul(), "mixed_float16")
-    out = fresh.apply(variables, x)
-    np.testing.assert_array_equal(out, after_init.apply(variables, x))
+    log = _Runs()
+    fresh = jmp.linen.mixed_precision(_OwnMatmul(log, name), "mixed_float16")
     program = jax.make_jaxpr(lambda v: fresh.apply(v, x))(variables)
+    assert len(log.flags) == runs
+    np.testing.assert_array_equal(fresh.apply(variables, x), after_init.apply(variables, x))
     dots = [e for e in iter_equations(program) if e.primitive.name == "dot_general"]
     assert [str(e.invars[1].aval.dtype) for e in dots] == ["float16"]
-
-
-def test_linen_paths_from_an_earlier_run_are_checked_against_the_call():
-    """The paths a first call borrows from an earlier run are checked against the modules
-    the call ran: a wrong borrowed policy is caught and the call traced again with the
-    right one (the LayerNorm's parameters stay float32 for its float32 island)."""
-    mixed = jmp.linen.mixed_precision(_Counted(_Runs()), "mixed_float16")
-    x = jnp.ones((4, 6))
-    variables = mixed.init(jax.random.key(0), x)
-    right = jmp.linen.mixed_precision(_Counted(_Runs()), "mixed_float16").apply(variables, x)
-    (record,) = mixed._path_policies.values()
-    record.policies[("LayerNorm_0",)] = jmp.get_policy("mixed_float16")  # a wrong borrowed policy
-    jaxpr = jax.make_jaxpr(lambda v: mixed.apply(v, x))(variables)
-    scale = variables["params"]["LayerNorm_0"]["scale"]
-    assert not any(
-        e.primitive.name == "convert_element_type" and e.invars[0].aval.shape == scale.shape
-        for e in jaxpr.jaxpr.eqns
-    ), "the LayerNorm's parameters were cast to float16"
-    np.testing.assert_array_equal(mixed.apply(variables, x), right)
-    assert mixed._path_policies[next(iter(mixed._path_policies))].policies[
-        ("LayerNorm_0",)
-    ] == jmp.get_policy("float32")
 
 
 def test_nnx_first_call_runs_the_model_once():
