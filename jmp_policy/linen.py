@@ -14,7 +14,6 @@ back in their own dtype (float32).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import types
 from collections.abc import Mapping
@@ -29,7 +28,6 @@ from flax.core import unfreeze
 from jmp_policy import matmul
 from jmp_policy._flax_layers import (
     LINEN_NORMS,
-    TAKEN_OVER,
     carry_keeps_its_dtype,
     fp8_dot_for,
     linen_compute_in,
@@ -38,6 +36,7 @@ from jmp_policy._flax_layers import (
     recomputes,
     take_over_matmul,
 )
+from jmp_policy._linen_paths import Paths, guessed_paths, keys_of, params_and_rest
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
 from jmp_policy.census import traced_once, warn_float32_matmuls
@@ -82,13 +81,13 @@ class MixedPrecisionModule:
         self.overrides = Overrides(overrides, nn.Module)
         self.reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
         self.accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)
-        # Per call signature: what a run of the model showed (`_Paths`): each module path's
+        # Per call signature: what a run of the model showed (`Paths`): each module path's
         # policy, needed to cast each parameter for its module before the call.
-        self._path_policies: dict[Any, _Paths] = {}
+        self._path_policies: dict[Any, Paths] = {}
         self._checked: set[Any] = set()  # call signatures traced once, checked, and verified
         self._at_use: dict[Any, Any] = {}  # `autocast.cast_at_use` programs, by signature
         self._stack: list[Policy] = []
-        self._seen: _Paths | None = None  # set while a first call notes what it runs
+        self._seen: Paths | None = None  # set while a first call notes what it runs
         self._as_written = False  # inside `_recomputed`: modules run as Flax wrote them
 
     def __repr__(self) -> str:
@@ -102,7 +101,7 @@ class MixedPrecisionModule:
             return own
         return self._stack[-1] if self._stack else self.policy
 
-    def _interceptor(self, record: _Paths | None):
+    def _interceptor(self, record: Paths | None):
         def intercept(next_fun, args, kwargs, context):
             if (
                 self._as_written
@@ -192,28 +191,28 @@ class MixedPrecisionModule:
                 module.put_variable(collection, name, value)
         return out
 
-    def _run(self, fn, record: _Paths | None = None):
+    def _run(self, fn, record: Paths | None = None):
         self._stack = []
         with nn.intercept_methods(self._interceptor(record)):
             return fn()
 
     # --- parameters -----------------------------------------------------------
 
-    def _cast_params(self, params, paths: _Paths, to: str):
+    def _cast_params(self, params, paths: Paths, to: str):
         def cast(path, leaf):
-            target = self._cast_target(paths, _keys(path)[:-1], to)
+            target = self._cast_target(paths, keys_of(path)[:-1], to)
             return leaf if target is None else cast_floating(leaf, target)
 
         return jax.tree_util.tree_map_with_path(cast, params)
 
-    def _cast_target(self, paths: _Paths, module: tuple[str, ...], to: str) -> Any:
+    def _cast_target(self, paths: Paths, module: tuple[str, ...], to: str) -> Any:
         """The dtype a parameter of `module` is cast to before the call (None: as stored)."""
         if to == "compute" and module in paths.cast_at_use:
             return None  # the layer casts it where it uses it
         policy = casting_policy(paths.policy_of(module, self.policy))
         return policy.compute_dtype if to == "compute" else policy.param_dtype
 
-    def _borrowed_paths(self, key, method) -> _Paths | None:
+    def _borrowed_paths(self, key, method) -> Paths | None:
         """The paths an earlier run of the same method showed (`init`'s, or another
         signature's), for a first call to use and check; None if there was none."""
         if key in self._path_policies:
@@ -223,30 +222,10 @@ class MixedPrecisionModule:
                 return paths
         return None
 
-    def _guessed_paths(self, variables) -> _Paths:
-        """Paths for a first call without an earlier run (parameters restored in a new
-        process), guessed from the parameters' names: a module holding only the names Flax's
-        layers give theirs (`_LAYER_PARAMS`) casts its own (they go in as stored; a float32
-        island's are float32 already); a module holding another is taken to use it itself,
-        under the model's policy (cast where used: `cast_at_use`). The call checks the guess
-        against the modules it ran."""
-        names: dict[tuple[str, ...], set[str]] = {}
-        for path, _ in jax.tree_util.tree_leaves_with_path(variables.get("params", {})):
-            keys = _keys(path)
-            names.setdefault(keys[:-1], set()).add(keys[-1])
-        guess = _Paths()
-        for module, held in names.items():
-            if held <= _LAYER_PARAMS:
-                guess.cast_at_use.add(module)
-            else:
-                guess.policies[module] = self.policy
-                guess.not_taken_over.add(module)
-        return guess
-
-    def _learn_paths(self, variables, args, kwargs, method) -> _Paths:
+    def _learn_paths(self, variables, args, kwargs, method) -> Paths:
         """The paths of the call's modules, from a recording run of the model as written
         (abstract: it costs no compute)."""
-        record = _Paths()
+        record = Paths()
         # Only arrays are traced; flags such as `train=False` and callables
         # such as `capture_intermediates` are passed through as they are.
         arrays, rebuild = split_traced((variables, args, kwargs))
@@ -262,7 +241,7 @@ class MixedPrecisionModule:
 
     def init(self, rngs, *args, method=None, **kwargs):
         """Like `module.init`; parameters are stored in each module's `param_dtype`."""
-        record = _Paths()
+        record = Paths()
         variables = self._run(
             lambda: self.module.init(rngs, *args, method=method, **kwargs), record
         )
@@ -290,7 +269,7 @@ class MixedPrecisionModule:
             # The first call with this signature runs the model once: the program it traces
             # serves the float32-matmul check and the call. The paths it was given (an
             # earlier run's) are checked against the modules it ran.
-            guess = self._borrowed_paths(key, method) or self._guessed_paths(variables)
+            guess = self._borrowed_paths(key, method) or guessed_paths(variables, self.policy)
             found = None
             try:
                 found = self._first_trace(key, guess, *call)
@@ -320,12 +299,12 @@ class MixedPrecisionModule:
                 )
         return root.cast_to_output(y), updated
 
-    def _first_trace(self, key, paths: _Paths, variables, args, kwargs, method, mutable):
+    def _first_trace(self, key, paths: Paths, variables, args, kwargs, method, mutable):
         """The call's program traced (the model run once, its parameters cast by `paths`).
         Returns the paths of the modules it ran, the traced program and the call."""
         self._at_use.pop((key, repr(mutable)), None)
         at_use = self._at_use_program(key, paths, variables, method, mutable)
-        params, rest = _params_and_rest(variables)
+        params, rest = params_and_rest(variables)
         if at_use is None:
             # Traced to a program, evaluated for the call (not run again). The program is
             # not kept: later calls run the model in their caller's trace, as Flax's `apply`.
@@ -341,20 +320,20 @@ class MixedPrecisionModule:
         else:
             trace = lambda: at_use.traced_program(params, rest, args, kwargs)  # noqa: E731
             call = lambda: at_use(params, rest, args, kwargs)  # noqa: E731
-        seen = self._seen = _Paths()
+        seen = self._seen = Paths()
         try:
             traced = trace()
         finally:
             self._seen = None
         return seen, traced, call
 
-    def _call(self, key, paths: _Paths, variables, args, kwargs, method, mutable):
+    def _call(self, key, paths: Paths, variables, args, kwargs, method, mutable):
         at_use = self._at_use_program(key, paths, variables, method, mutable)
         if at_use is None:
             return self._mixed_run(paths, method, mutable, variables, args, kwargs)
-        return at_use(*_params_and_rest(variables), args, kwargs)
+        return at_use(*params_and_rest(variables), args, kwargs)
 
-    def _at_use_program(self, key, paths: _Paths, variables, method, mutable):
+    def _at_use_program(self, key, paths: Paths, variables, method, mutable):
         """The `autocast.cast_at_use` program of the call (traced once, kept for later
         calls), where a module whose matmuls are not taken over (`nn.Einsum`,
         `nn.ConvTranspose`, a module's own `x @ self.param(...)`) owns a parameter and
@@ -373,7 +352,7 @@ class MixedPrecisionModule:
             )
         return self._at_use[program]
 
-    def _mixed_run(self, paths: _Paths, method, mutable, variables, args, kwargs):
+    def _mixed_run(self, paths: Paths, method, mutable, variables, args, kwargs):
         """The module's `apply` under the policy, each parameter cast for its module."""
         if "params" in variables:
             params = self._cast_params(variables["params"], paths, "compute")
@@ -382,24 +361,24 @@ class MixedPrecisionModule:
             lambda: self.module.apply(variables, *args, method=method, mutable=mutable, **kwargs)
         )
 
-    def _casts_own_weights(self, paths: _Paths, variables) -> bool:
+    def _casts_own_weights(self, paths: Paths, variables) -> bool:
         if self.reduce_dtype is None or "params" not in variables:
             return False
         leaves = jax.tree_util.tree_leaves_with_path(variables["params"])
-        owners = {paths.owner(_keys(path)[:-1]) for path, _ in leaves}
+        owners = {paths.owner(keys_of(path)[:-1]) for path, _ in leaves}
         # 16 bits; a float8 policy's layers are left as they are (`fp8_dot_for`).
         return any(
             owner in paths.not_taken_over and paths.policies[owner].compute_dtype.itemsize == 2
             for owner in owners
         )
 
-    def _plan(self, paths: _Paths, variables, ran: _Paths) -> tuple:
+    def _plan(self, paths: Paths, variables, ran: Paths) -> tuple:
         """What `paths` decide for the traced program: the route (`cast_at_use` or not), and
         the dtype each floating parameter of a module that `ran` is cast to (None: none, or
         its own dtype)."""
 
         def target(path, leaf) -> Any:
-            module = _keys(path)[:-1]
+            module = keys_of(path)[:-1]
             dtype = self._cast_target(paths, module, "compute")
             return None if dtype is None or not is_floating_array(leaf) else jnp.dtype(dtype)
 
@@ -407,53 +386,9 @@ class MixedPrecisionModule:
         targets = tuple(
             None if (t := target(path, leaf)) == leaf.dtype else t
             for path, leaf in leaves
-            if _keys(path)[:-1] in ran.policies
+            if keys_of(path)[:-1] in ran.policies
         )
         return self._casts_own_weights(paths, variables), targets
-
-
-def _keys(path: tuple) -> tuple[str, ...]:
-    """A parameter's path in the variables (dict keys or attribute names) as strings."""
-    return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
-
-
-_LAYER_PARAMS = frozenset({"kernel", "bias", "embedding", "scale"})
-"""The names Flax's layers (Dense, Conv, Embed, the norms) give their parameters."""
-
-
-def _params_and_rest(variables: dict) -> tuple[Any, dict]:
-    return variables.get("params", {}), {k: v for k, v in variables.items() if k != "params"}
-
-
-@dataclasses.dataclass
-class _Paths:
-    """What a run of the model showed: the policy of each module path it reached, the paths
-    of Flax layers that cast their own parameters where they use them (a `promote_dtype`
-    field: their parameters are not cast before the call), and the paths of modules whose
-    matmuls are not taken over (not `_flax_layers.TAKEN_OVER`)."""
-
-    policies: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
-    cast_at_use: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
-    not_taken_over: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
-
-    def note(self, path: tuple[str, ...], module: nn.Module, policy: Policy) -> None:
-        self.policies[path] = policy
-        if "promote_dtype" in getattr(module, "__dataclass_fields__", {}):
-            self.cast_at_use.add(path)
-        if not isinstance(module, TAKEN_OVER):
-            self.not_taken_over.add(path)
-
-    def owner(self, module_path: tuple[str, ...]) -> tuple[str, ...] | None:
-        """The innermost recorded module at or above `module_path`: the one owning its
-        parameters."""
-        for cut in range(len(module_path), -1, -1):
-            if module_path[:cut] in self.policies:
-                return module_path[:cut]
-        return None
-
-    def policy_of(self, module_path: tuple[str, ...], default: Policy) -> Policy:
-        owner = self.owner(module_path)
-        return default if owner is None else self.policies[owner]
 
 
 @contextlib.contextmanager
