@@ -68,13 +68,7 @@ class _AtUse:
         the program (traced once, the call's) checked for float32 matmuls first."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if graphdef not in self.programs:
-
-            def run(params, rest, args, kwargs):
-                inner = nnx.merge(graphdef, params, rest)
-                out = scoped(inner, *args, **kwargs)
-                return out, nnx.split(inner, nnx.Param, ...)[2]  # the state besides weights
-
-            self.programs[graphdef] = cast_at_use(run)
+            self.programs[graphdef] = cast_at_use(_functional(graphdef, scoped))
         program = self.programs[graphdef]
         if check:
             _check(program.traced_program(params, rest, args, kwargs))
@@ -88,17 +82,23 @@ def _checked_call(model, scoped, args, kwargs):
     matmuls and evaluated for the call (not run again), the model's state updated as the
     call left it."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def run(params, rest, args, kwargs):
-        inner = nnx.merge(graphdef, params, rest)
-        out = scoped(inner, *args, **kwargs)
-        return out, nnx.split(inner, nnx.Param, ...)[2]  # the state besides weights
-
-    program, result = traced_once(run, params, rest, args, kwargs)
+    program, result = traced_once(_functional(graphdef, scoped), params, rest, args, kwargs)
     _check(program)
     out, state = result()
     nnx.update(model, state)
     return out
+
+
+def _functional(graphdef: Any, scoped: Any) -> Any:
+    """`scoped` as a function of the model's weights and other state: `(params, rest, args,
+    kwargs) -> (out, the state besides weights as the call left it)`."""
+
+    def run(params, rest, args, kwargs):
+        inner = nnx.merge(graphdef, params, rest)
+        out = scoped(inner, *args, **kwargs)
+        return out, nnx.split(inner, nnx.Param, ...)[2]
+
+    return run
 
 
 def _check(program: Any) -> None:
