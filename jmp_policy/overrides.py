@@ -57,7 +57,7 @@ def is_compute_dtype(value: Any) -> bool:
         return False
 
 
-_SHOWN = 12  # module paths kept for the unmatched-pattern warning
+_SHOWN = 4  # module paths the unmatched-pattern warning shows
 
 
 class Overrides:
@@ -103,8 +103,11 @@ class Overrides:
                 hit = key.fullmatch(text)
             else:
                 prefix = f"{self.root}/" if self.root else ""
-                pattern = key[len(prefix) :] if prefix and key.startswith(prefix) else key
-                hit = fnmatch.fnmatchcase(text, pattern)
+                hit = fnmatch.fnmatchcase(text, key) or (
+                    bool(prefix)
+                    and key.startswith(prefix)
+                    and fnmatch.fnmatchcase(text, key[len(prefix) :])
+                )
             if hit:
                 self.matched.add(key)
                 return policy
@@ -117,7 +120,7 @@ class Overrides:
         for key, _ in self.patterns:
             if key not in self.matched:
                 shown = key.pattern if isinstance(key, re.Pattern) else key
-                examples = ", ".join(repr(p) for p in self.paths[:4]) or "'Encoder_0/Dense_1'"
+                examples = ", ".join(repr(p) for p in self.paths) or "'Encoder_0/Dense_1'"
                 warnings.warn(
                     f"The override pattern {shown!r} matches no module path; this model's "
                     f"paths look like {examples} (parts joined with '/').",
