@@ -97,6 +97,23 @@ def fp8_dot_for(module: Any, policy: Policy, path: tuple[str, ...]) -> Any:
 _ABSENT = object()
 
 
+def block_keeps_its_dtype(x: Any, out: Any, compute: Any) -> Any:
+    """A block's output (`x -> block(x)`, the same shape) in the compute dtype its input came
+    in, where a float32 island at its end (a layer an override keeps in float32, e.g. the
+    precision debugger's advice) left it wider: the model continues in the compute dtype, and
+    an `nnx.scan` over such blocks needs its carry's dtype kept. Any other output (another
+    shape, a tuple, an input that came in wider) is returned as it is."""
+    if (
+        is_floating_array(out)
+        and is_floating_array(x)
+        and out.shape == x.shape
+        and x.dtype == compute
+        and jnp.finfo(out.dtype).bits > jnp.finfo(compute).bits
+    ):
+        return out.astype(compute)
+    return out
+
+
 def recomputes(module: Any, norms: Any, island: Policy, outer: Policy) -> bool:
     """Whether `module` runs as a recomputed float32 island (`recomputed`): one of Flax's
     normalisation layers (`norms`, the integration's `NORMS_IN_FLOAT32` classes) whose own

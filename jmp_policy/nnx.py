@@ -26,6 +26,7 @@ from jmp_policy._compat import set_variable_value, variable_value
 from jmp_policy._flax_layers import (
     NNX_NORMS,
     attention_with_float32_softmax,
+    block_keeps_its_dtype,
     fp8_dot_for,
     recomputed,
     recomputes,
@@ -134,7 +135,10 @@ def _subclass(cls: type, role: str) -> type:
                     cast, back_to = island
                     return _recomputed(self, base, cast, back_to, args, kwargs)
                 if out_dtype is None:
-                    return base.__call__(self, *args, **kwargs)
+                    out = base.__call__(self, *args, **kwargs)
+                    if inputs is None and args:  # not an island itself
+                        out = block_keeps_its_dtype(args[0], out, self._jmp_policy_compute)
+                    return out
                 # A layer that casts its weights inside its matmul (`jmp_policy.matmul`): its
                 # bias is added after it (`matmul.adding_bias_after`), or where Flax adds it
                 # (not over the trailing axes), as float32 under standard promotion.
@@ -275,6 +279,7 @@ def mixed_precision(
         overridden = own is not None and island.compute_dtype != outer.compute_dtype
         inputs = island if overridden and not recompute else None  # a recompute casts its own
         object.__setattr__(module, "_jmp_policy_inputs", inputs)
+        object.__setattr__(module, "_jmp_policy_compute", island.compute_dtype)
         at_use = at_use or (
             reduce_dtype is not None
             and out_dtype is None

@@ -245,6 +245,38 @@ class NNXGPT(nnx.Module):
         return self.head(self.norm(x))
 
 
+class ScanBlock(nnx.Module):
+    """A layer of Flax's `examples/nnx_toy_examples/06_scan_over_layers.py`: Linear, BatchNorm,
+    Dropout, gelu."""
+
+    def __init__(self, dim, *, rngs):
+        self.linear = nnx.Linear(dim, dim, rngs=rngs)
+        self.bn = nnx.BatchNorm(dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.gelu(self.dropout(self.bn(self.linear(x))))
+
+
+class ScanMLP(nnx.Module):
+    """Its model: the layers made with `nnx.vmap` (`nnx.split_rngs`), run by `nnx.scan`."""
+
+    def __init__(self, dim, *, n_layers, rngs):
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(axis_size=n_layers)
+        def create_block(rngs):
+            return ScanBlock(dim, rngs=rngs)
+
+        self.layers = create_block(rngs)
+
+    def __call__(self, x):
+        @nnx.scan
+        def scan_fn(x, block):
+            return block(x), None
+
+        return scan_fn(x, self.layers)[0]
+
+
 def rnn(params, xs):
     """A plain JAX recurrence under `lax.scan` (7 steps with `XS`): two dots and an exp a step."""
 

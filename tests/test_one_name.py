@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from models import ScanMLP
 
 import jmp_policy as jmp
 from jmp_policy import _jaxpr, _naming
-from jmp_policy.census import compute_dtype, iter_equations, module_path_of
+from jmp_policy.census import compute_dtype, iter_equations, module_path_of, trace
 
 X = jax.random.normal(jax.random.key(0), (4, 8))
 F32 = jmp.get_policy("float32")
@@ -177,11 +178,11 @@ CASES = {
 }
 
 
-def dtypes_in(fun, x, path: str) -> set:
+def dtypes_in(fun, x, path: str, *more) -> set:
     """The dtypes the operations of the module at `path` (and inside it) compute in (casts
     left out: they are its boundary)."""
     with _naming.module_names():
-        program = jax.make_jaxpr(fun)(x)
+        program = trace(fun, x, *more)  # as precision_report traces (an NNX model an argument)
     found = set()
     for eqn in iter_equations(program):
         where = _jaxpr.relative(module_path_of(str(eqn.source_info.name_stack)))
@@ -234,3 +235,24 @@ def test_equinox_overrides_are_checked_at_construction():
         jmp.eqx.mixed_precision(
             RNN(jax.random.key(0)), "mixed_float16", overrides={1: jmp.get_policy("float32")}
         )
+
+
+def test_flax_scan_over_layers_takes_the_advice_it_gets_in_float32():
+    """Flax's 06_scan_over_layers model judged in float32: the advice moves its BatchNorm and
+    its Dropout (values past float16's range) to float32. Passed back as it is, the Dropout
+    island at the end of the scanned block leaves the block's output in float32: the block
+    hands it back in float16, so `nnx.scan`'s carry keeps its dtype, and every matmul stays in
+    float16."""
+    x = jax.random.normal(jax.random.key(0), (16, 10)) * 300
+    model = ScanMLP(10, n_layers=5, rngs=nnx.Rngs(0))
+    advice = jmp.debug_precision(lambda m, x: jnp.mean(m(x) ** 2), model, x).advice()
+    assert advice["overrides"] == {"layers/bn": "float32", "layers/dropout": "float32"}
+    overrides = {path: jmp.get_policy(p) for path, p in advice["overrides"].items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        mixed = jmp.nnx.mixed_precision(
+            ScanMLP(10, n_layers=5, rngs=nnx.Rngs(0)), "mixed_float16", overrides
+        )
+        report = jmp.precision_report(lambda m, x: m(x), mixed, x)
+    assert report.counts["dot_general"] == {"float16": 5}
+    assert dtypes_in(lambda x, m: m(x), x, "layers/dropout", mixed) == {"float32"}

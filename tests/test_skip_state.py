@@ -18,6 +18,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
+from models import ScanMLP
 
 import jmp_policy as jmp
 
@@ -219,42 +220,11 @@ def test_nnx_forward_overflow_keeps_batch_stats_and_rng_counts():
     assert _all_finite(state()) and np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
-class _ScanBlock(nnx.Module):
-    """A layer of Flax's NNX scan-over-layers example: Linear, BatchNorm, Dropout, gelu."""
-
-    def __init__(self, dim, *, rngs):
-        self.linear = nnx.Linear(dim, dim, rngs=rngs)
-        self.bn = nnx.BatchNorm(dim, rngs=rngs)
-        self.dropout = nnx.Dropout(0.5, rngs=rngs)
-
-    def __call__(self, x):
-        return jax.nn.gelu(self.dropout(self.bn(self.linear(x))))
-
-
-class _ScanMLP(nnx.Module):
-    """Its model: the layers made with `nnx.vmap` (`nnx.split_rngs`), run by `nnx.scan`."""
-
-    def __init__(self, dim, *, n_layers, rngs):
-        @nnx.split_rngs(splits=n_layers)
-        @nnx.vmap(axis_size=n_layers)
-        def create_block(rngs):
-            return _ScanBlock(dim, rngs=rngs)
-
-        self.layers = create_block(rngs)
-
-    def __call__(self, x):
-        @nnx.scan
-        def scan_fn(x, block):
-            return block(x), None
-
-        return scan_fn(x, self.layers)[0]
-
-
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_nnx_scan_over_layers_with_a_float32_batchnorm_trains_and_skips_bit_for_bit(policy):
     # The BatchNorm island hands its output back in the compute dtype, so nnx.scan's carry
     # keeps its type (it raised "carry input and carry output must have equal types").
-    model = jmp.nnx.mixed_precision(_ScanMLP(10, n_layers=5, rngs=nnx.Rngs(0)), policy)
+    model = jmp.nnx.mixed_precision(ScanMLP(10, n_layers=5, rngs=nnx.Rngs(0)), policy)
     optimizer = nnx.Optimizer(
         model, jmp.loss_scaling(optax.sgd(0.05), jmp.DynamicLossScale(2.0**15)), wrt=nnx.Param
     )
