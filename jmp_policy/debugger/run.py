@@ -14,7 +14,6 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jmp_policy import _jaxpr, _naming
-from jmp_policy._compat import jaxprs_in_params
 from jmp_policy._pytree import is_traced_leaf, split_traced
 from jmp_policy.debugger.interpreter import _Collector
 from jmp_policy.debugger.names import _hoisted, _renamed
@@ -175,13 +174,8 @@ def debug_precision(
 
 def _computes_in(jaxpr: Any, dtype: np.dtype) -> bool:
     """Whether some operation of `jaxpr` (or of a program inside it) outputs `dtype` values."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is not _jaxpr.CONVERT and any(
-            getattr(v.aval, "dtype", None) == dtype for v in eqn.outvars
-        ):
-            return True
-        if any(
-            _computes_in(getattr(sub, "jaxpr", sub), dtype) for sub in jaxprs_in_params(eqn.params)
-        ):
-            return True
-    return False
+    return any(
+        eqn.primitive is not _jaxpr.CONVERT
+        and any(getattr(v.aval, "dtype", None) == dtype for v in eqn.outvars)
+        for eqn, _ in _jaxpr.walk(jaxpr)
+    )
