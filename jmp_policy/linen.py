@@ -304,25 +304,17 @@ class MixedPrecisionModule:
         Returns the paths of the modules it ran, the traced program and the call."""
         self._at_use.pop((key, repr(mutable)), None)
         at_use = self._at_use_program(key, paths, variables, method, mutable)
-        params, rest = params_and_rest(variables)
-        if at_use is None:
-            # Traced to a program, evaluated for the call (not run again). The program is
-            # not kept: later calls run the model in their caller's trace, as Flax's `apply`.
-            result: list = []
-
-            def trace():
-                run = functools.partial(self._mixed_run, paths, method, mutable)
-                program, call = traced_once(run, variables, args, kwargs)
-                result.append(call)
-                return program
-
-            call = lambda: result[-1]()  # noqa: E731
-        else:
-            trace = lambda: at_use.traced_program(params, rest, args, kwargs)  # noqa: E731
-            call = lambda: at_use(params, rest, args, kwargs)  # noqa: E731
         seen = self._seen = Paths()
         try:
-            traced = trace()
+            if at_use is None:
+                # Traced to a program, evaluated for the call (not run again). The program is
+                # not kept: later calls run the model in their caller's trace, as Flax's `apply`.
+                run = functools.partial(self._mixed_run, paths, method, mutable)
+                traced, call = traced_once(run, variables, args, kwargs)
+            else:
+                params, rest = params_and_rest(variables)
+                traced = at_use.traced_program(params, rest, args, kwargs)
+                call = lambda: at_use(params, rest, args, kwargs)  # noqa: E731
         finally:
             self._seen = None
         return seen, traced, call
