@@ -4,9 +4,7 @@ quotients, and a matmul's operands (`jmp_policy.matmul`, float8)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,63 +33,19 @@ from jmp_policy.fp8 import (
 from jmp_policy.matmul import mixed
 from jmp_policy.policy import Policy, casting_policy
 
-ALLOW = _jaxpr.matmul_names()
+ALLOW = _jaxpr.names_running_in(_jaxpr.COMPUTE)
 """Primitives that run in the compute dtype (torch.amp's "lower precision" list): the matmuls
 of `_jaxpr.MATMULS` by their names in the installed JAX (`dot_general`,
 `conv_general_dilated`, and `ragged_dot_general`, what `lax.ragged_dot` binds)."""
 
-DENY = frozenset(
-    {
-        "exp",
-        "exp2",
-        "log",
-        "log1p",
-        "expm1",
-        "pow",
-        "integer_pow",
-        "square",
-        "sqrt",
-        "rsqrt",
-        "cbrt",
-        "logistic",
-        "erf",
-        "erfc",
-        "erf_inv",
-        "lgamma",
-        "digamma",
-        "reduce_sum",
-        "reduce_prod",
-        "cumsum",
-        "cumprod",
-        "cumlogsumexp",
-    }
-)
-"""Primitives that run in float32 (torch.amp's "float32" list, as JAX lowers it)."""
+DENY = _jaxpr.names_running_in(_jaxpr.FLOAT32)
+"""Primitives that run in float32 (torch.amp's "float32" list, as JAX lowers it): exp, log,
+powers and roots, erf, logistic, sums, products and cumulative sums (`_jaxpr.RULES`)."""
 
-# Linear-algebra decompositions and FFTs: no half-precision kernels (XLA and
-# LAPACK have none; `rfft` refuses float16), and torch.amp keeps them in float32
-# too. They run in float32 whatever `allow` and `deny` say.
-NO_HALF_KERNEL = frozenset(
-    {
-        "cholesky",
-        "eig",
-        "eigh",
-        "fft",
-        "geqp3",
-        "geqrf",
-        "hessenberg",
-        "householder_product",
-        "lu",
-        "ormqr",
-        "qr",
-        "schur",
-        "svd",
-        "triangular_solve",
-        "tridiagonal",
-        "tridiagonal_solve",
-    }
-)
-"""Primitives that always run in float32: they have no half-precision kernel."""
+NO_HALF_KERNEL = _jaxpr.names_running_in(_jaxpr.NO_HALF_KERNEL)
+"""Primitives that always run in float32: linear-algebra decompositions and FFTs have no
+half-precision kernel (XLA and LAPACK have none; `rfft` refuses float16), and torch.amp keeps
+them in float32 too."""
 
 # Regions made by autocast/full_precision: kept as they are when nested.
 _REGION_NAMES = ("jmp_autocast_region", "jmp_full_precision_region", "jmp_cast_at_use")
@@ -172,99 +126,124 @@ _bind = _jaxpr.bind
 _source_context = _jaxpr.source_context
 
 
-# The kinds (`jmp_policy.activations`) of the float32 values computed so far, one record per
-# evaluation on this thread: {id(value): (value, kind)} (the value is kept, so an id is never
-# reused while it is recorded). Values not recorded are weights, or activations by dtype.
-_KINDS = threading.local()
-# The half-precision copy a float32 island value was kept as for the backward pass, likewise
-# ({id(value): (value, copy)}): a matmul that takes the value in half precision takes that
-# copy, so the backward pass keeps one.
-_HALF_COPIES = threading.local()
+class _Records:
+    """What one evaluation has learned of its values (see `_Evaluation`)."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[int, tuple[Any, str]] = {}
+        self.half_copies: dict[int, tuple[Any, Any]] = {}
+        self.weights: dict[int, Any] = {}
+        self.downcasts: dict[int, tuple[Any, Any]] = {}
+        self.open = True
+
+    def close(self) -> None:
+        self.open = False
+        for record in (self.kinds, self.half_copies, self.weights, self.downcasts):
+            record.clear()
 
 
-def _recorded(record: threading.local, x: Any) -> Any:
-    """What the current evaluation recorded of `x` in `record`, or None."""
-    stack = getattr(record, "stack", None)
-    found = stack[-1].get(id(x)) if stack else None
-    return found[1] if found is not None and found[0] is x else None
+class _Evaluation:
+    """One evaluation of a program under `rules` (an autocast region, with its sub-programs):
+    what it has learned of the values it computed, passed to every rule.
+
+    - `kinds`: the kind (`jmp_policy.activations`) of the float32 values computed so far
+      (values not recorded are weights, or activations by dtype);
+    - `half_copies`: the half-precision copy a float32 island value was kept as for the
+      backward pass: a matmul that takes the value in half precision takes that copy, so
+      the backward pass keeps one;
+    - `weights` and `downcasts` (`cast_at_use`): the weights, and each 16-bit cast of a
+      weight with the float32 weight it came from.
+
+    JAX values are not hashable, so each record is keyed by `id()` and keeps the value
+    itself: an id is never reused while it is recorded, and a lookup checks identity. Once
+    the region is traced (`close`) nothing more is recorded or found, so a derivative rule
+    JAX traces later reads values by their dtype alone.
+    """
+
+    def __init__(self, rules: _Rules, records: _Records | None = None):
+        self.rules = rules
+        self._records = _Records() if records is None else records
+
+    def with_rules(self, rules: _Rules) -> _Evaluation:
+        """The same evaluation (what it learned so far, and will) under other rules."""
+        return _Evaluation(rules, self._records)
+
+    def close(self) -> None:
+        self._records.close()
+
+    @property
+    def open(self) -> bool:
+        return self._records.open
+
+    @property
+    def kinds(self) -> dict:
+        return self._records.kinds
+
+    @property
+    def half_copies(self) -> dict:
+        return self._records.half_copies
+
+    @property
+    def weights(self) -> dict:
+        return self._records.weights
+
+    @property
+    def downcasts(self) -> dict:
+        return self._records.downcasts
+
+    @staticmethod
+    def _found(record: dict, x: Any) -> Any:
+        found = record.get(id(x))
+        return found[1] if found is not None and found[0] is x else None
+
+    def kind(self, x: Any) -> str:
+        return kind_of_dtype(x.dtype, self._found(self.kinds, x))
+
+    def kinds_of(self, values: Iterable) -> list:
+        return [self.kind(x) for x in values if _is_float(x)]
+
+    def record(self, values: Iterable, kind: str) -> None:
+        if self.open and kind in (ISLAND, STATISTIC):
+            for v in values:
+                if _is_float(v) and v.dtype == _FLOAT32:
+                    self.kinds[id(v)] = (v, kind)
+
+    def inherit(self, outer: Iterable, inner: Iterable) -> None:
+        """A body's inputs (new tracers) have the kinds of the values they stand for."""
+        for o, i in zip(outer, inner, strict=True):
+            if _is_float(o) and _is_float(i):
+                self.record([i], self.kind(o))
+
+    def half_of(self, x: Any, half: np.dtype) -> Any:
+        copy = self._found(self.half_copies, x)
+        return copy if copy is not None and copy.dtype == half else _cast(x, half)
+
+    def keep_half_copy(self, x: Any, copy: Any) -> None:
+        if self.open:
+            self.half_copies[id(x)] = (x, copy)
+
+    def is_weight(self, x: Any) -> bool:
+        return self.weights.get(id(x)) is x
+
+    def add_weight(self, x: Any) -> None:
+        if self.open:
+            self.weights[id(x)] = x
+
+    def downcast(self, x: Any) -> tuple[Any, Any] | None:
+        """`(x, float32 weight)` if `x` is a weight's 16-bit cast (`cast_at_use`), else None."""
+        found = self.downcasts.get(id(x))
+        return found if found is not None and found[0] is x else None
+
+    def add_downcast(self, half: Any, weight: Any) -> None:
+        if self.open:
+            self.downcasts[id(half)] = (half, weight)
 
 
-def _remember(record: threading.local, x: Any, what: Any) -> None:
-    stack = getattr(record, "stack", None)
-    if stack:
-        stack[-1][id(x)] = (x, what)
-
-
-@contextlib.contextmanager
-def _evaluation():
-    """A new record of kinds and half-precision copies for one evaluation (nested ones too)."""
-    for record in (_KINDS, _HALF_COPIES):
-        record.stack = [*getattr(record, "stack", []), {}]
-    try:
-        yield
-    finally:
-        for record in (_KINDS, _HALF_COPIES):
-            record.stack.pop()
-
-
-def _kind(x: Any) -> str:
-    return kind_of_dtype(x.dtype, _recorded(_KINDS, x))
-
-
-def _record(values: Iterable, kind: str) -> None:
-    if kind in (ISLAND, STATISTIC):
-        for v in values:
-            if _is_float(v) and v.dtype == _FLOAT32:
-                _remember(_KINDS, v, kind)
-
-
-def _inherit(outer: Iterable, inner: Iterable) -> None:
-    """A body's inputs (new tracers) have the kinds of the values they stand for."""
-    for o, i in zip(outer, inner, strict=True):
-        if _is_float(o) and _is_float(i):
-            _record([i], _kind(o))
-
-
-def _kinds(values: Iterable) -> list:
-    return [_kind(x) for x in values if _is_float(x)]
-
-
-_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod"})
-
-
-# Primitives whose backward pass needs no operand (linear in every floating operand): they
-# keep nothing for the backward pass whatever their dtype, and are bound as they are.
-_LINEAR = frozenset(
-    {
-        "add",
-        "sub",
-        "neg",
-        "reduce_sum",
-        "cumsum",
-        "broadcast_in_dim",
-        "reshape",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "convert_element_type",
-        "select_n",
-        "concatenate",
-        "pad",
-        "slice",
-        "dynamic_slice",
-        "gather",
-        "copy",
-        "copy_p",
-        "stop_gradient",
-    }
-)
-
-
-def _in_float32(eqn: Any, invals: list, half: np.dtype | None = None) -> list:
+def _in_float32(ev: _Evaluation, eqn: Any, invals: list, half: np.dtype | None = None) -> list:
     """`eqn` computed in float32. With `half` (a float32 island inside a half-precision
     program), a nonlinear op on activations keeps its full-size operands for the backward pass
     in `half`, not float32: the island's memory is what the same model in `half` keeps."""
-    kinds = [_kind(x) if _is_float(x) else None for x in invals]
+    kinds = [ev.kind(x) if _is_float(x) else None for x in invals]
     # Full-size operands (activations, and statistics or weights broadcast to their size);
     # smaller ones (a row's statistic, a weight as stored) stay float32: they cost little.
     size = max(np.size(x) for x in invals)
@@ -274,23 +253,19 @@ def _in_float32(eqn: Any, invals: list, half: np.dtype | None = None) -> list:
         for i, x in enumerate(invals)
         if kinds[i] is not None and on_activations and size > 1 and np.size(x) == size
     ]
-    if half is None or half == _FLOAT32 or not keep or eqn.primitive.name in _LINEAR:
+    rule = _jaxpr.rule_of(eqn)
+    if half is None or half == _FLOAT32 or not keep or (rule is not None and rule.linear):
         outs = _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
-    elif eqn.primitive.name == "div" and keep == [0]:
-        outs = [_quotient_keeping_half(invals[0], invals[1], half, eqn)]
+    elif eqn.primitive is _jaxpr.DIV and keep == [0]:
+        outs = [_quotient_keeping_half(ev, invals[0], invals[1], half, eqn)]
     else:
         outs = _keeping_half(eqn, invals, frozenset(keep), half)
-    reduction = eqn.primitive.name in _REDUCTIONS
-    _record(outs, combined([k for k in kinds if k is not None], reduction))
+    reduction = rule is not None and rule.reduction
+    ev.record(outs, combined([k for k in kinds if k is not None], reduction))
     return outs
 
 
-def _half_of(x: Any, half: np.dtype) -> Any:
-    copy = _recorded(_HALF_COPIES, x)
-    return copy if copy is not None and copy.dtype == half else _cast(x, half)
-
-
-def _quotient_keeping_half(a: Any, b: Any, half: np.dtype, eqn: Any) -> Any:
+def _quotient_keeping_half(ev: _Evaluation, a: Any, b: Any, half: np.dtype, eqn: Any) -> Any:
     """`a / b` in float32 for an activation `a` and a statistic `b` (softmax's quotient, a
     normalised value): its derivative needs only the quotient and `b`, so the quotient's
     half-precision copy is kept (and taken by the matmul that follows), not `a`."""
@@ -307,21 +282,29 @@ def _quotient_keeping_half(a: Any, b: Any, half: np.dtype, eqn: Any) -> Any:
         q, copy = quotient(a, b)
         return (q, copy), (copy, _cast(b, _FLOAT32))
 
-    a_dtype, b_dtype = a.dtype, b.dtype
+    a_dtype, b_dtype, b_shape = a.dtype, b.dtype, np.shape(b)
 
     def backward(kept, cotangents):
         copy, wide_b = kept
         g = _cast(cotangents[0], _FLOAT32) + _cast(cotangents[1], _FLOAT32)
         ga = g / wide_b
-        gb = -ga * _cast(copy, _FLOAT32)
-        broadcast = tuple(i for i, n in enumerate(wide_b.shape) if n == 1 and gb.shape[i] != 1)
-        gb = jnp.sum(gb, axis=broadcast, keepdims=True) if broadcast else gb
-        return _cast(ga, a_dtype), _cast(jnp.broadcast_to(gb, wide_b.shape), b_dtype)
+        return _cast(ga, a_dtype), _cast(_sum_to(-ga * _cast(copy, _FLOAT32), b_shape), b_dtype)
 
     quotient.defvjp(forward, backward)
     q, copy = quotient(a, b)
-    _remember(_HALF_COPIES, q, copy)
+    ev.keep_half_copy(q, copy)
     return q
+
+
+def _sum_to(x: Any, shape: tuple) -> Any:
+    """The cotangent `x` of an operand of `shape` that an elementwise op broadcast to
+    `x.shape` (a scalar implicitly, size-1 axes explicitly): summed over what was broadcast."""
+    if x.shape == tuple(shape):
+        return x
+    if len(shape) == 0:
+        return jnp.sum(x)
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True)
 
 
 def _keeping_half(eqn: Any, invals: list, keep: frozenset, half: np.dtype) -> list:
@@ -362,17 +345,8 @@ def _keeping_half(eqn: Any, invals: list, keep: frozenset, half: np.dtype) -> li
     return op(*invals)
 
 
-# The weights and their casts in the program being evaluated (`cast_at_use`), one entry per
-# evaluation on this thread: ({id(weight): weight}, {id(half cast): (half cast, weight)}).
-_DOWNCASTS = threading.local()
-
-
-def _downcasts() -> dict:
-    return _DOWNCASTS.stack[-1][1]
-
-
-def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> list:
-    name = eqn.primitive.name
+def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> list:
+    rules, name = ev.rules, eqn.primitive.name
     if (
         rules.fp8
         and eqn.primitive is _jaxpr.DOT_GENERAL
@@ -397,7 +371,8 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
         # that is float32 here (an island's output) is cast first, so the matmul keeps its
         # half-precision copy for the backward pass, not the float32 one.
         lhs, rhs = (
-            x if rules.reduce and _kind(x) == WEIGHT else _half_of(x, rules.compute) for x in invals
+            x if rules.reduce and ev.kind(x) == WEIGHT else ev.half_of(x, rules.compute)
+            for x in invals
         )
 
         def op(lhs, rhs, preferred):
@@ -411,7 +386,7 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
             return [mixed(op, rules.compute, rules.accumulate, lhs, rhs)]
     if name in rules.allow:
         target = rules.compute
-        invals = [_half_of(x, target) for x in invals]
+        invals = [ev.half_of(x, target) for x in invals]
         if (
             "preferred_element_type" in eqn.params
             and eqn.params["preferred_element_type"] is not None
@@ -421,25 +396,29 @@ def _eval_by_rules(eqn: Any, invals: list, floating: list, rules: _Rules) -> lis
             return _bind(eqn, invals, preferred_element_type=target)
         return _bind(eqn, invals)
     if name in rules.deny:
-        return _in_float32(eqn, invals, rules.compute)
+        return _in_float32(ev, eqn, invals, rules.compute)
     strong = [i for i in floating if not getattr(eqn.invars[i].aval, "weak_type", False)]
     if not strong:
         outs = _bind(eqn, invals)
-        _record(outs, combined(_kinds(invals)))
+        ev.record(outs, combined(ev.kinds_of(invals)))
         return outs
-    target, kind = meet([invals[i].dtype for i in strong], [_kind(invals[i]) for i in strong])
+    target, kind = meet([invals[i].dtype for i in strong], [ev.kind(invals[i]) for i in strong])
     if target == _FLOAT32 and kind == ISLAND:  # an island computing on activations
-        return _in_float32(eqn, invals, rules.compute)
-    shape = eqn.outvars[0].aval.shape if rules.reduce else None
-    outs = _bind(eqn, [_meeting(x, target, shape) for x in invals])
-    _record(outs, kind)
+        return _in_float32(ev, eqn, invals, rules.compute)
+    # Only an elementwise op broadcasts its operands to its output's shape (a concatenation
+    # or a scatter does not).
+    rule = _jaxpr.rule_of(eqn)
+    elementwise = rule is not None and rule.elementwise
+    shape = eqn.outvars[0].aval.shape if rules.reduce and elementwise else None
+    outs = _bind(eqn, [_meeting(ev, x, target, shape) for x in invals])
+    ev.record(outs, kind)
     return outs
 
 
-def _meeting(x: Any, target: Any, shape: tuple | None) -> Any:
+def _meeting(ev: _Evaluation, x: Any, target: Any, shape: tuple | None) -> Any:
     """`x` cast to the dtype of the op it meets: a weight or constant cast down as
     `activations.weight_at_use` says (saturating; broadcast in float32 first with `shape`)."""
-    if _is_float(x) and x.dtype != target and _kind(x) == WEIGHT:
+    if _is_float(x) and x.dtype != target and ev.kind(x) == WEIGHT:
         if np.ndim(x) != len(shape or ()):
             shape = None
         return weight_at_use(x, target, shape)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -16,24 +17,17 @@ from jax import lax
 
 from jmp_policy import _jaxpr
 from jmp_policy._autocast_ops import (
-    _DOWNCASTS,
     _FLOAT32,
     _LAX_MATMULS,
     _MIXED,
     _REGION_NAMES,
-    NO_HALF_KERNEL,
     _bind,
     _cast,
     _cast_like_avals,
-    _downcasts,
     _eval_by_rules,
+    _Evaluation,
     _in_float32,
-    _inherit,
     _is_float,
-    _kind,
-    _kinds,
-    _record,
-    _Rules,
     _source_context,
     _widest,
 )
@@ -43,63 +37,76 @@ from jmp_policy.activations import (
     combined,
     weight_at_use,
 )
+from jmp_policy.census import PrecisionWarning
 from jmp_policy.matmul import mixed
 
 
-def _eval_jaxpr(jaxpr: Any, consts: list, args: list, rules: _Rules) -> list:
-    return _jaxpr.evaluate(
-        jaxpr, consts, args, lambda eqn, invals: _eval_equation(eqn, invals, rules)
-    )
+def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ev: _Evaluation) -> list:
+    return _jaxpr.evaluate(jaxpr, consts, args, lambda eqn, invals: _eval_equation(ev, eqn, invals))
 
 
-def _eval_closed(closed: Any, args: list, rules: _Rules) -> list:
-    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), rules)
+def _eval_closed(closed: Any, args: list, ev: _Evaluation) -> list:
+    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ev)
 
 
-def _eval_equation(eqn: Any, invals: list, rules: _Rules) -> list:
+def _as_traced(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """`eqn` on its operands cast back to the dtypes it was traced with."""
+    outs = _bind(eqn, _cast_like_avals(invals, _avals(eqn.invars)))
+    ev.record(outs, combined(ev.kinds_of(invals)))
+    return outs
+
+
+_UNKNOWN_WARNED: set[str] = set()
+
+
+def _unknown(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """A primitive without a rule (`_jaxpr.rule_of`): it runs as traced, and the user is told
+    once, so the float32 it may run in is never silent."""
     name = eqn.primitive.name
+    if name not in _UNKNOWN_WARNED:
+        _UNKNOWN_WARNED.add(name)
+        warnings.warn(
+            f"autocast has no rule for the primitive {name!r}: it runs in the dtypes it was "
+            "traced with. Name it in `allow` (compute dtype) or `deny` (float32) to decide.",
+            PrecisionWarning,
+            stacklevel=2,
+        )
+    return _as_traced(ev, eqn, invals)
+
+
+def _eval_equation(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    rules, name = ev.rules, eqn.primitive.name
     if eqn.primitive in _jaxpr.STRUCTURAL or _jaxpr.is_call(eqn):
-        return _eval_structural(eqn, invals, rules)
+        return _eval_structural(ev, eqn, invals)
     if rules.at_use:
-        return _eval_cast_at_use(eqn, invals)
+        return _eval_cast_at_use(ev, eqn, invals)
     if eqn.primitive in _jaxpr.CUSTOM_DERIVATIVES:
-        outs = _eval_custom_derivative(eqn, _cast_like_avals(invals, _avals(eqn.invars)), rules)
-        _record(outs, combined(_kinds(invals)))
+        outs = _eval_custom_derivative(ev, eqn, _cast_like_avals(invals, _avals(eqn.invars)))
+        ev.record(outs, combined(ev.kinds_of(invals)))
         return outs
-    has_subprogram = bool(list(jaxprs_in_params(eqn.params)))
-    if has_subprogram or eqn.primitive is _jaxpr.BITCAST or _jaxpr.is_callback(eqn):
-        if name == _jaxpr.SHARD_MAP_NAME:
-            raise NotImplementedError(
-                "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
-                "function instead (shard_map(autocast(f, policy), ...))."
-            )
-        # Run as traced: typed callbacks stay exact.
-        outs = _bind(eqn, _cast_like_avals(invals, _avals(eqn.invars)))
-        _record(outs, combined(_kinds(invals)))
-        return outs
+    if name == _jaxpr.SHARD_MAP_NAME:
+        raise NotImplementedError(
+            "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
+            "function instead (shard_map(autocast(f, policy), ...))."
+        )
+    if list(jaxprs_in_params(eqn.params)) or _jaxpr.is_callback(eqn):
+        return _as_traced(ev, eqn, invals)  # typed callbacks and opaque sub-programs stay exact
     floating = [i for i, x in enumerate(invals) if _is_float(x)]
     if not floating:
         return _bind(eqn, invals)
-    if name in NO_HALF_KERNEL:
-        return _in_float32(eqn, invals)
-    try:
-        return _eval_by_rules(eqn, invals, floating, rules)
-    except (TypeError, ValueError, NotImplementedError):
-        # An op that refuses half precision (a dtype check when it is bound)
-        # runs in float32 rather than failing the whole function.
-        if not any(jnp.finfo(invals[i].dtype).bits < 32 for i in floating):
-            raise
-        return _in_float32(eqn, invals)
+    rule = _jaxpr.rule_of(eqn)
+    if rule is None:
+        if name in rules.allow or name in rules.deny:  # the user's lists decide
+            return _eval_by_rules(ev, eqn, invals, floating)
+        return _unknown(ev, eqn, invals)
+    if rule.runs_in == _jaxpr.NO_HALF_KERNEL:
+        return _in_float32(ev, eqn, invals)
+    if rule.runs_in == _jaxpr.AS_TRACED:
+        return _as_traced(ev, eqn, invals)
+    return _eval_by_rules(ev, eqn, invals, floating)
 
 
-# Deny-listed reductions: what they make of activations is a statistic (`activations`).
-# Shape-only operations a weight's cast is moved past, and elementwise ones whose implicit
-# broadcast of a weight is made explicit before the cast (`_eval_cast_at_use`).
-_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims"})
-_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min"})
-
-
-def _eval_cast_at_use(eqn: Any, invals: list) -> list:
+def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
     """An equation as traced, except on a weight's cast down from float32:
     - a matmul or conv takes the float32 weight and casts it inside
       `jmp_policy.matmul.mixed`, so its gradient is made in float32;
@@ -109,23 +116,25 @@ def _eval_cast_at_use(eqn: Any, invals: list) -> list:
       float32.
     Either way the forward values are the same, and the gradient is summed across devices
     in float32."""
-    name = eqn.primitive.name
-    if name in _SHAPE_OPS and invals and id(invals[0]) in _downcasts():
-        half, weight = _downcasts()[id(invals[0])]
+    name, rule = eqn.primitive.name, _jaxpr.rule_of(eqn)
+    if rule is not None and rule.layout and invals and ev.downcast(invals[0]) is not None:
+        half, weight = ev.downcast(invals[0])
         (wide,) = _bind(eqn, [weight, *invals[1:]])
         out = _cast(wide, half.dtype)
-        _downcasts()[id(out)] = (out, wide)
+        ev.add_downcast(out, wide)
         return [out]
-    if name in _ELEMENTWISE:
+    if rule is not None and rule.elementwise:
         shape = eqn.outvars[0].aval.shape
-        invals = [
-            _cast(jnp.broadcast_to(_downcasts()[id(x)][1], shape), x.dtype)
-            if id(x) in _downcasts() and np.shape(x) != shape and np.ndim(x) == len(shape)
-            else x
-            for x in invals
-        ]
+
+        def broadcast(x: Any) -> Any:
+            found = ev.downcast(x)
+            if found is None or np.shape(x) == shape or np.ndim(x) != len(shape):
+                return x
+            return _cast(jnp.broadcast_to(found[1], shape), x.dtype)
+
+        invals = [broadcast(x) for x in invals]
     if name in _MIXED:
-        found = [_downcasts().get(id(x)) for x in invals]
+        found = [ev.downcast(x) for x in invals]
         if any(f is not None for f in found):
             compute = next(x.dtype for x, f in zip(invals, found, strict=True) if f is not None)
             lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
@@ -143,12 +152,12 @@ def _eval_cast_at_use(eqn: Any, invals: list) -> list:
     outs = _bind(eqn, invals)
     if (
         eqn.primitive is _jaxpr.CONVERT
-        and id(invals[0]) in _DOWNCASTS.stack[-1][0]
+        and ev.is_weight(invals[0])
         and invals[0].dtype == _FLOAT32
         and _is_float(outs[0])
         and jnp.finfo(outs[0].dtype).bits == 16
     ):
-        _downcasts()[id(outs[0])] = (outs[0], invals[0])
+        ev.add_downcast(outs[0], invals[0])
     return outs
 
 
@@ -156,14 +165,14 @@ def _avals(variables: Iterable) -> list:
     return [v.aval for v in variables]
 
 
-def _rewritten(fun: Callable[..., list], args: Sequence[Any], rules: _Rules) -> list:
+def _rewritten(fun: Callable[..., list], args: Sequence[Any], ev: _Evaluation) -> list:
     """`fun(*args)` traced and run by the rules, its outputs in the dtypes it was traced
     with."""
     closed = jax.make_jaxpr(fun)(*args)
-    return _cast_like_avals(_eval_closed(closed, list(args), rules), closed.out_avals)
+    return _cast_like_avals(_eval_closed(closed, list(args), ev), closed.out_avals)
 
 
-def _eval_custom_derivative(eqn: Any, invals: list, rules: _Rules) -> list:
+def _eval_custom_derivative(ev: _Evaluation, eqn: Any, invals: list) -> list:
     """A `jax.custom_jvp`/`jax.custom_vjp` function (`invals` in the dtypes it was traced
     with), as torch.amp runs a custom autograd function: its computation by the rules (its
     matmuls in the compute dtype), and the derivative rule as the user wrote it, on values in
@@ -179,7 +188,7 @@ def _eval_custom_derivative(eqn: Any, invals: list, rules: _Rules) -> list:
         return _bind(eqn, list(args))
 
     def primal(*args: Any) -> list:
-        outs = _eval_closed(body, list(args), rules)
+        outs = _eval_closed(body, list(args), ev)
         return _cast_like_avals(outs, _avals(eqn.outvars))
 
     if eqn.primitive is _jaxpr.CUSTOM_JVP:
@@ -198,8 +207,8 @@ def _eval_custom_derivative(eqn: Any, invals: list, rules: _Rules) -> list:
 
             # Plain matmuls (not `matmul.mixed`, a custom_vjp): a custom_jvp rule's tangents
             # must stay transposable.
-            linear = dataclasses.replace(rules, reduce=False, accumulate=None)
-            outs = _rewritten(jvp, [*primals, *tangents], linear)
+            linear = dataclasses.replace(ev.rules, reduce=False, accumulate=None)
+            outs = _rewritten(jvp, [*primals, *tangents], ev.with_rules(linear))
             return outs[:n_out], outs[n_out:]
 
         return list(with_jvp(*invals))
@@ -217,7 +226,7 @@ def _eval_custom_derivative(eqn: Any, invals: list, rules: _Rules) -> list:
         return primal(*args)
 
     def fwd(*args):
-        outs = _rewritten(forward, args, rules)
+        outs = _rewritten(forward, args, ev)
         return outs[:n_out], outs[n_out:]
 
     def bwd(residuals, cotangents):
@@ -227,35 +236,35 @@ def _eval_custom_derivative(eqn: Any, invals: list, rules: _Rules) -> list:
     return list(fun(*invals))
 
 
-def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
+def _eval_structural(ev: _Evaluation, eqn: Any, invals: list) -> list:
     params = eqn.params
     if _jaxpr.is_call(eqn):
         inner = _jaxpr.inlined_body(eqn)
         if params.get("name", "").startswith(_REGION_NAMES):
             return _bind(eqn, _cast_like_avals(invals, inner.in_avals))
         return (
-            _eval_closed(inner, invals, rules)
+            _eval_closed(inner, invals, ev)
             if hasattr(inner, "consts")
-            else _eval_jaxpr(inner, [], invals, rules)
+            else _eval_jaxpr(inner, [], invals, ev)
         )
     # The loop or branch keeps its place in the name stack (its body's are relative to it).
     if eqn.primitive is _jaxpr.SCAN:
         with _source_context(eqn):
-            return _eval_scan(params, invals, rules)
+            return _eval_scan(ev, params, invals)
     if eqn.primitive is _jaxpr.WHILE:
         with _source_context(eqn):
-            return _eval_while(params, invals, rules)
+            return _eval_while(ev, params, invals)
     if eqn.primitive is _jaxpr.COND:
         with _source_context(eqn):
-            return _eval_cond(params, invals, rules)
+            return _eval_cond(ev, params, invals)
     # `jax.checkpoint` (`_jaxpr.REMAT`): an open jaxpr without consts.
-    body = functools.partial(_eval_jaxpr, params["jaxpr"], [], rules=rules)
+    body = functools.partial(_eval_jaxpr, params["jaxpr"], [], ev=ev)
 
-    wide = _wide_sources(rules, invals)
+    wide = _wide_sources(ev, invals)
 
     def rematted(*inner):
-        inner = _follow_weights(rules, invals, list(inner), wide)
-        _inherit(invals, inner)
+        inner = _follow_weights(ev, invals, list(inner), wide)
+        ev.inherit(invals, inner)
         return body(inner)
 
     with _source_context(eqn):
@@ -264,32 +273,32 @@ def _eval_structural(eqn: Any, invals: list, rules: _Rules) -> list:
         )
 
 
-def _wide_sources(rules: _Rules, outer: list) -> list:
+def _wide_sources(ev: _Evaluation, outer: list) -> list:
     """`cast_at_use`: [(position, float32 weight)] of a body's inputs that are a weight's
     cast, to be passed into the body beside them."""
-    if not rules.at_use:
+    if not ev.rules.at_use:
         return []
-    return [(i, _downcasts()[id(v)][1]) for i, v in enumerate(outer) if id(v) in _downcasts()]
+    found = [(i, ev.downcast(v)) for i, v in enumerate(outer)]
+    return [(i, f[1]) for i, f in found if f is not None]
 
 
-def _follow_weights(rules: _Rules, outer: list, inner: list, wide: list) -> list:
+def _follow_weights(ev: _Evaluation, outer: list, inner: list, wide: list) -> list:
     """`cast_at_use`: a body's input that is a weight (or one layer of stacked weights in a
     `scan`) is a weight too, and one that is a weight's cast is that (its float32 weight
     passed in after the body's own inputs, per `_wide_sources`). Returns the body's own
     inputs."""
-    if not rules.at_use:
+    if not ev.rules.at_use:
         return inner
     inner, extra = inner[: len(outer)], inner[len(outer) :]
-    weights = _DOWNCASTS.stack[-1][0]
     for o, i in zip(outer, inner, strict=True):
-        if id(o) in weights:
-            weights[id(i)] = i
+        if ev.is_weight(o):
+            ev.add_weight(i)
     for (position, _), w in zip(wide, extra, strict=True):
-        _downcasts()[id(inner[position])] = (inner[position], w)
+        ev.add_downcast(inner[position], w)
     return inner
 
 
-def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
+def _eval_scan(ev: _Evaluation, params: dict, invals: list) -> list:
     n_consts, n_carry = params["num_consts"], params["num_carry"]
     consts, init, xs = (
         invals[:n_consts],
@@ -297,12 +306,12 @@ def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
         invals[n_consts + n_carry :],
     )
 
-    wide = _wide_sources(rules, xs)
+    wide = _wide_sources(ev, xs)
 
     def body(carry, x):
-        x = _follow_weights(rules, xs, list(x), wide)
-        _inherit([*init, *xs], [*carry, *x])
-        outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], rules)
+        x = _follow_weights(ev, xs, list(x), wide)
+        ev.inherit([*init, *xs], [*carry, *x])
+        outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], ev)
         new_carry = [_cast(o, c.dtype) for o, c in zip(outs[:n_carry], carry, strict=True)]
         return new_carry, outs[n_carry:]
 
@@ -312,16 +321,16 @@ def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
     # the body keeps in float32 (a sum of losses, statistics) stays float32.
     def made(carry):
         def run(carry, x):
-            return _eval_closed(params["jaxpr"], [*consts, *carry, *x], rules)[:n_carry]
+            return _eval_closed(params["jaxpr"], [*consts, *carry, *x], ev)[:n_carry]
 
         xs_one = [jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for v in xs]
         return [o.dtype for o in jax.eval_shape(run, carry, xs_one)]
 
     init = list(init)
-    if any(_is_float(c) and c.dtype == _FLOAT32 and _kind(c) == WEIGHT for c in init):
+    if any(_is_float(c) and c.dtype == _FLOAT32 and ev.kind(c) == WEIGHT for c in init):
         for i, dtype in enumerate(made(init)):
             c = init[i]
-            if _is_float(c) and c.dtype == _FLOAT32 and _kind(c) == WEIGHT and dtype != c.dtype:
+            if _is_float(c) and c.dtype == _FLOAT32 and ev.kind(c) == WEIGHT and dtype != c.dtype:
                 init[i] = weight_at_use(c, dtype)
 
     carry, ys = lax.scan(
@@ -335,25 +344,25 @@ def _eval_scan(params: dict, invals: list, rules: _Rules) -> list:
     return [*carry, *ys]
 
 
-def _eval_while(params: dict, invals: list, rules: _Rules) -> list:
+def _eval_while(ev: _Evaluation, params: dict, invals: list) -> list:
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
 
     def cond_fn(carry):
-        _inherit(init, carry)
-        return _eval_closed(params["cond_jaxpr"], [*cond_consts, *carry], rules)[0]
+        ev.inherit(init, carry)
+        return _eval_closed(params["cond_jaxpr"], [*cond_consts, *carry], ev)[0]
 
     def body_fn(carry):
-        _inherit(init, carry)
-        outs = _eval_closed(params["body_jaxpr"], [*body_consts, *carry], rules)
+        ev.inherit(init, carry)
+        outs = _eval_closed(params["body_jaxpr"], [*body_consts, *carry], ev)
         return [_cast(o, c.dtype) for o, c in zip(outs, carry, strict=True)]
 
     return list(lax.while_loop(cond_fn, body_fn, list(init)))
 
 
-def _eval_cond(params: dict, invals: list, rules: _Rules) -> list:
+def _eval_cond(ev: _Evaluation, params: dict, invals: list) -> list:
     index, operands = invals[0], invals[1:]
-    branches = [functools.partial(_eval_closed, b, rules=rules) for b in params["branches"]]
+    branches = [functools.partial(_eval_closed, b, ev=ev) for b in params["branches"]]
     shapes = [jax.eval_shape(lambda *a, f=f: f(list(a)), *operands) for f in branches]
     dtypes = [
         _widest([s[i].dtype for s in shapes])
@@ -364,7 +373,7 @@ def _eval_cond(params: dict, invals: list, rules: _Rules) -> list:
 
     def agreeing(f):
         def run(*a):
-            _inherit(operands, a)
+            ev.inherit(operands, a)
             outs = f(list(a))
             return [o if d is None else _cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
 

@@ -42,7 +42,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from jmp_policy import _naming
-from jmp_policy._autocast_ops import _CAST_AT_USE, _DOWNCASTS, _FLOAT32, _cast, _evaluation, _Rules
+from jmp_policy._autocast_ops import _CAST_AT_USE, _FLOAT32, _cast, _Evaluation, _Rules
 from jmp_policy._autocast_ops import ALLOW as ALLOW  # the op lists, exported here
 from jmp_policy._autocast_ops import DENY as DENY
 from jmp_policy._autocast_ops import NO_HALF_KERNEL as NO_HALF_KERNEL
@@ -147,17 +147,16 @@ class _Autocast:
         def region(*flat):
             if cast_inputs:
                 flat = [_cast(x, rules.compute) for x in flat]
-            if not rules.at_use:
-                with _evaluation():
-                    outs = _eval_closed(closed, list(flat), rules)
-                return [_cast(o, rules.output) for o in outs]
-            if not hasattr(_DOWNCASTS, "stack"):
-                _DOWNCASTS.stack = []
-            _DOWNCASTS.stack.append(({id(w): w for w in flat[:n_weights]}, {}))
+            ev = _Evaluation(rules)
+            for weight in flat[:n_weights]:
+                ev.add_weight(weight)
             try:
-                return _eval_closed(closed, list(flat), rules)  # the output dtypes as traced
+                outs = _eval_closed(closed, list(flat), ev)
             finally:
-                _DOWNCASTS.stack.pop()
+                ev.close()
+            if rules.at_use:
+                return outs  # the output dtypes as traced
+            return [_cast(o, rules.output) for o in outs]
 
         region.__name__ = region.__qualname__ = self._region_name
         return jax.jit(region), out_tree, closed
