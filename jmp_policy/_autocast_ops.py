@@ -53,8 +53,7 @@ _CAST_AT_USE = "jmp_cast_at_use"
 _FLOAT32 = np.dtype(np.float32)
 # Run through `jmp_policy.matmul.mixed` when `reduce_dtype`/`accumulate_dtype` ask for it,
 # with lax's functions (they take the equations' parameters as keywords).
-_LAX_MATMULS = {"dot_general": lax.dot_general, "conv_general_dilated": lax.conv_general_dilated}
-_MIXED = frozenset(_LAX_MATMULS)
+_LAX_MATMULS = _jaxpr.LAX_MATMULS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +365,8 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
                     lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling, out_dtype=rules.compute
                 )
             return [out]
-    if name in rules.allow and name in _MIXED and (rules.reduce or rules.accumulate is not None):
+    mixed_ok = eqn.primitive in _LAX_MATMULS
+    if name in rules.allow and mixed_ok and (rules.reduce or rules.accumulate is not None):
         # Only weights go in as float32 (their gradients made in float32): an activation
         # that is float32 here (an island's output) is cast first, so the matmul keeps its
         # half-precision copy for the backward pass, not the float32 one.
@@ -378,7 +378,7 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
         def op(lhs, rhs, preferred):
             # Through lax's functions, not `bind`: they add what the operands need
             # (e.g. `pvary` for a replicated weight inside `shard_map`).
-            return _LAX_MATMULS[name](
+            return _LAX_MATMULS[eqn.primitive](
                 lhs, rhs, **{**eqn.params, "preferred_element_type": preferred}
             )
 

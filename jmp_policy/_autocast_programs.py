@@ -19,7 +19,6 @@ from jmp_policy import _jaxpr
 from jmp_policy._autocast_ops import (
     _FLOAT32,
     _LAX_MATMULS,
-    _MIXED,
     _REGION_NAMES,
     _bind,
     _cast,
@@ -116,7 +115,7 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
       float32.
     Either way the forward values are the same, and the gradient is summed across devices
     in float32."""
-    name, rule = eqn.primitive.name, _jaxpr.rule_of(eqn)
+    rule = _jaxpr.rule_of(eqn)
     if rule is not None and rule.layout and invals and ev.downcast(invals[0]) is not None:
         half, weight = ev.downcast(invals[0])
         (wide,) = _bind(eqn, [weight, *invals[1:]])
@@ -133,7 +132,7 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
             return _cast(jnp.broadcast_to(found[1], shape), x.dtype)
 
         invals = [broadcast(x) for x in invals]
-    if name in _MIXED:
+    if eqn.primitive in _LAX_MATMULS:
         found = [ev.downcast(x) for x in invals]
         if any(f is not None for f in found):
             compute = next(x.dtype for x, f in zip(invals, found, strict=True) if f is not None)
@@ -142,7 +141,7 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
             wider = preferred is not None and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
 
             def op(lhs, rhs, preferred):
-                return _LAX_MATMULS[name](
+                return _LAX_MATMULS[eqn.primitive](
                     lhs, rhs, **{**eqn.params, "preferred_element_type": preferred}
                 )
 

@@ -343,6 +343,13 @@ def names_running_in(runs_in: str) -> frozenset[str]:
 
 
 DIV = _primitives.div_p
+LAX_MATMULS: dict[Any, Callable[..., Any]] = {
+    DOT_GENERAL: lax.dot_general,
+    CONV: lax.conv_general_dilated,
+}
+"""The lax function of each matmul a rewriter binds again with other operands: it takes the
+equation's parameters as keywords, and adds what its operands need (`pvary` for a replicated
+weight inside `shard_map`)."""
 
 
 # --- names ------------------------------------------------------------------------------

@@ -230,7 +230,7 @@ def report_of_jaxpr(
         name, dtype_name = eqn.primitive.name, jnp.dtype(dtype).name
         block = _block_format(eqn)
         if block is not None:  # a block-scaled GEMM (or its emulation): a dot in its format
-            name, dtype_name = "dot_general", block
+            name, dtype_name = _jaxpr.DOT_GENERAL.name, block
         if name in MATMULS:
             flops, contract, outputs = _matmul_shape_info(eqn)
             all_flops += flops * times
@@ -238,7 +238,7 @@ def report_of_jaxpr(
                 half_flops += flops * times
             if dtype.itemsize == 1 or block is not None:  # float8 (or 4-bit) operands
                 fp8_flops += flops * times
-            elif name == "dot_general":
+            elif eqn.primitive is _jaxpr.DOT_GENERAL:
                 not_fp8.append(eqn)
             if any(s % 8 for s in (*contract, *outputs)):
                 where = module_path_of(str(eqn.source_info.name_stack))

@@ -58,7 +58,7 @@ class ViT(eqx.Module):
     head: eqx.nn.Sequential
     patch: int
 
-    def __init__(self, key, dim=32, patch=4, max_patches=32, classes=4, layers=2):
+    def __init__(self, key, dim=32, patch=4, max_patches=32, classes=4, layers=1):
         keys = jr.split(key, 5)
         self.patch = patch
         self.patch_embedding = eqx.nn.Linear(patch * patch * 3, dim, key=keys[0])
@@ -142,7 +142,7 @@ class Bert(eqx.Module):
     pooler: eqx.nn.Linear
     classifier: eqx.nn.Linear
 
-    def __init__(self, key, vocab=32, dim=32, length=16, layers=2, classes=2):
+    def __init__(self, key, vocab=32, dim=32, length=16, layers=1, classes=2):
         keys = jr.split(key, 6)
         self.tokens = eqx.nn.Embedding(vocab, dim, key=keys[0])
         self.positions = eqx.nn.Embedding(length, dim, key=keys[1])
@@ -344,9 +344,8 @@ def gan_loss(model, state, real, z):
     fake, state = generate(z, state)
     discriminate = jax.vmap(model.discriminator)
     frozen = jax.lax.stop_gradient(model.discriminator)
-    d_loss = jnp.mean(
-        jax.nn.softplus(-discriminate(real)) + jax.nn.softplus(discriminate(jax.lax.stop_gradient(fake)))
-    )
+    held = jax.lax.stop_gradient(fake)
+    d_loss = jnp.mean(jax.nn.softplus(-discriminate(real)) + jax.nn.softplus(discriminate(held)))
     g_loss = jnp.mean(jax.nn.softplus(-jax.vmap(frozen)(fake)))
     return d_loss + g_loss, state
 

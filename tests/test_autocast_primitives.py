@@ -114,8 +114,9 @@ UNARY = {
 def _cases():
     for name, op in BINARY.items():
         for kind in SECONDS:
-            yield f"{name} by {kind}", functools.partial(
-                lambda op, kind, h, p: op(h, _second(kind, p)), op, kind
+            yield (
+                f"{name} by {kind}",
+                functools.partial(lambda op, kind, h, p: op(h, _second(kind, p)), op, kind),
             )
     for name, op in UNARY.items():
         yield name, lambda h, p, op=op: op(h)
@@ -274,3 +275,27 @@ def test_keeping_half_derivative_is_jaxs():
     want = jax.grad(lambda a, b: jnp.sum(lax.pow(a, b)), argnums=(0, 1))(a, b)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2)
+
+
+def test_a_primitive_without_a_rule_runs_as_traced_and_is_reported():
+    """A primitive autocast has no rule for (a library's own) runs in the dtypes it was
+    traced with, and a PrecisionWarning names it: never a retry, never a silent float32."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    doubled = Primitive("jmp_test_doubled")
+    doubled.def_impl(lambda x: x * 2)
+    doubled.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(doubled, mlir.lower_fun(lambda x: x * 2, multiple_results=False))
+    assert _jaxpr.rule_of(doubled) is None
+
+    def f(w, x):
+        return doubled.bind(x @ w) @ w
+
+    w, x = jnp.eye(K) * 0.5, _inputs()["x"]
+    with pytest.warns(jmp.PrecisionWarning, match="jmp_test_doubled"):
+        program = jax.make_jaxpr(jmp.autocast(f, "mixed_float16"))(w, x)
+    (eqn,) = [e for e, _ in _jaxpr.walk(program) if e.primitive is doubled]
+    assert eqn.invars[0].aval.dtype == jnp.float32  # as traced
+    dots = [e for e, _ in _jaxpr.walk(program) if e.primitive is _jaxpr.DOT_GENERAL]
+    assert [d.outvars[0].aval.dtype for d in dots] == [jnp.float16, jnp.float16]

@@ -28,7 +28,9 @@ import equinox_examples as ex  # noqa: E402
 pytestmark = pytest.mark.standard_promotion  # user code: optax's Adam mixes float and int
 
 INTEGRATIONS = ("eqx.mixed_precision", "autocast")
-OVERFLOW = 2.0**120  # a loss gain whose scaled gradients overflow half precision
+# A loss gain whose scaled gradients overflow half precision; an array, so that the planted
+# step reuses the compiled train step (`eqx.filter_jit` makes a Python float static).
+OVERFLOW, ONE = jnp.float32(2.0**120), jnp.float32(1.0)
 
 
 def _setup(task: str, integration: str, policy: str, seed: int = 0, perturb: float = 0.0):
@@ -38,9 +40,11 @@ def _setup(task: str, integration: str, policy: str, seed: int = 0, perturb: flo
         leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
         keys = iter(jax.random.split(jax.random.key(seed + 100), len(leaves)))
         model = jax.tree.map(
-            lambda w: w * (1 + perturb * jax.random.normal(next(keys), w.shape))
-            if eqx.is_inexact_array(w)
-            else w,
+            lambda w: (
+                w * (1 + perturb * jax.random.normal(next(keys), w.shape))
+                if eqx.is_inexact_array(w)
+                else w
+            ),
             model,
         )
 
@@ -58,7 +62,7 @@ def _setup(task: str, integration: str, policy: str, seed: int = 0, perturb: flo
     grad = jmp.eqx.filter_value_and_scaled_grad(loss_fn)
 
     @eqx.filter_jit
-    def step(model, opt_state, inputs, targets, key, gain=1.0):
+    def step(model, opt_state, inputs, targets, key, gain=ONE):
         value, grads = grad(opt_state, model, inputs, targets, key, gain)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = tx.update(grads, opt_state, params, value=value)
@@ -88,9 +92,7 @@ def test_example_trains_in_half_precision_and_skips_an_overflow(task, integratio
         model, opt_state, loss = step(model, opt_state, _batch(inputs, i), targets[i], key)
         assert np.isfinite(float(loss)) and not bool(opt_state.last_step_skipped)
     # A planted overflow: the step is skipped, and nothing it returns has changed.
-    new_model, new_state, _ = step(
-        model, opt_state, _batch(inputs, 3), targets[3], key, OVERFLOW
-    )
+    new_model, new_state, _ = step(model, opt_state, _batch(inputs, 3), targets[3], key, OVERFLOW)
     assert bool(new_state.last_step_skipped)
     _assert_same(new_model, model)
     _assert_same(new_state.inner_state, opt_state.inner_state)
@@ -125,7 +127,7 @@ def test_dcgan_with_batchnorm_state_trains_and_skips_bit_for_bit(integration):
     grad = jmp.eqx.filter_value_and_scaled_grad(scaled_loss, has_aux=True)
 
     @eqx.filter_jit
-    def step(model, state, opt_state, real, z, gain=1.0):
+    def step(model, state, opt_state, real, z, gain=ONE):
         (value, new_state), grads = grad(opt_state, model, state, real, z, gain)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = tx.update(grads, opt_state, params)

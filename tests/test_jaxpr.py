@@ -223,3 +223,97 @@ def test_the_primitives_read_by_name_or_found_inside_a_call_are_what_jax_binds()
 
     program = jax.make_jaxpr(calls)(X)
     assert [_jaxpr.is_callback(e) for e in program.eqns] == [True, True]
+
+
+def test_every_primitive_the_installed_jax_exports_has_one_rule():
+    """What each primitive means is decided once (`_jaxpr.RULES`): a JAX release that adds a
+    primitive fails here until its rule is written."""
+    exported = {p for p in vars(jax_primitives).values() if isinstance(p, Primitive)}
+    structural = _jaxpr.STRUCTURAL | _jaxpr.CUSTOM_DERIVATIVES
+    missing = sorted(p.name for p in exported - structural if _jaxpr.rule_of(p) is None)
+    assert not missing, f"primitives without a rule in _jaxpr.RULES: {missing}"
+    for rule in {*_jaxpr.RULES.values(), *_jaxpr.RULES_BY_NAME.values()}:
+        assert rule.runs_in in (
+            _jaxpr.COMPUTE,
+            _jaxpr.FLOAT32,
+            _jaxpr.NO_HALF_KERNEL,
+            _jaxpr.OPERANDS,
+            _jaxpr.AS_TRACED,
+        )
+    # The lists users read and write by name are the table's.
+    assert jmp.AUTOCAST_ALLOW == _jaxpr.names_running_in(_jaxpr.COMPUTE) == _jaxpr.matmul_names()
+    assert jmp.AUTOCAST_DENY == _jaxpr.names_running_in(_jaxpr.FLOAT32)
+    assert {"exp", "log", "reduce_sum", "cumsum", "rsqrt"} <= jmp.AUTOCAST_DENY
+    assert {"fft", "svd", "cholesky"} <= jmp.AUTOCAST_NO_HALF_KERNEL
+
+
+def test_the_rules_read_by_name_are_for_primitives_jax_binds_and_does_not_export():
+    """`RULES_BY_NAME` holds primitives the installed JAX binds without exporting them: each
+    that a public function reaches is what that function binds."""
+    exported = {p.name for p in vars(jax_primitives).values() if isinstance(p, Primitive)}
+    assert not set(_jaxpr.RULES_BY_NAME) & exported
+    four = jnp.ones(4)
+    bound = {
+        "split": lambda x: lax.split(x, (2, 2)),
+        "optimization_barrier": lax.optimization_barrier,
+    }
+    for name, fun in bound.items():
+        (eqn,) = jax.make_jaxpr(fun)(four).eqns
+        assert eqn.primitive.name == name and _jaxpr.rule_of(eqn) is _jaxpr.RULES_BY_NAME[name]
+
+
+def test_elementwise_means_the_operands_broadcast_to_the_output():
+    """`Rule.elementwise` is what lets a rewriter broadcast an operand to the output's shape:
+    true of `add` (a literal operand stays 0-d), false of what joins or moves values."""
+    assert _jaxpr.rule_of(jax_primitives.add_p).elementwise
+    assert _jaxpr.rule_of(jax_primitives.div_p).elementwise
+    for p in (jax_primitives.concatenate_p, jax_primitives.scatter_add_p, jax_primitives.pad_p):
+        assert not _jaxpr.rule_of(p).elementwise, p
+    assert _jaxpr.rule_of(jax_primitives.scatter_add_p).reduction
+    assert _jaxpr.rule_of(jax_primitives.reshape_p).layout
+    assert not _jaxpr.rule_of(jax_primitives.slice_p).layout  # it drops values
+    (eqn,) = jax.make_jaxpr(lambda x: x / 0.9)(X).eqns
+    assert eqn.primitive is _jaxpr.DIV and eqn.invars[1].aval.shape == ()
+
+
+def test_only_the_jaxpr_core_decides_by_a_primitive_name():
+    """No library module but `_jaxpr.py` writes a primitive's name to decide what it means.
+    The strings kept are not primitives: Flax's layer hooks (`dot_general`), parameter keys
+    (`name`), fp8's `amax_from="max"`, the low-precision `"split"` mode, report row keys."""
+    import ast
+    import pathlib
+
+    names = set(_jaxpr._TABLE_BY_NAME) | {
+        p.name for p in vars(jax_primitives).values() if isinstance(p, Primitive)
+    }
+    not_primitives = {
+        "matmul.py": {"dot_general", "conv_general_dilated"},  # Flax layer hooks
+        "_flax_layers.py": {"dot_general", "conv_general_dilated"},
+        "linen.py": {"dot_general"},
+        "nnx.py": {"dot_general"},
+        "_fp8_delayed.py": {"max"},
+        "low_precision.py": {"split"},
+    }
+    root = pathlib.Path(jmp.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "_jaxpr.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        allowed = not_primitives.get(path.name, set()) | {"name"}
+        found += [
+            f"{path.relative_to(root)}:{node.lineno} {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and node.value in names - allowed
+        ]
+    assert not found, found
