@@ -170,42 +170,22 @@ class _Evaluation:
     def close(self) -> None:
         self._records.close()
 
-    @property
-    def open(self) -> bool:
-        return self._records.open
-
-    @property
-    def kinds(self) -> dict:
-        return self._records.kinds
-
-    @property
-    def half_copies(self) -> dict:
-        return self._records.half_copies
-
-    @property
-    def weights(self) -> dict:
-        return self._records.weights
-
-    @property
-    def downcasts(self) -> dict:
-        return self._records.downcasts
-
     @staticmethod
     def _found(record: dict, x: Any) -> Any:
         found = record.get(id(x))
         return found[1] if found is not None and found[0] is x else None
 
     def kind(self, x: Any) -> str:
-        return kind_of_dtype(x.dtype, self._found(self.kinds, x))
+        return kind_of_dtype(x.dtype, self._found(self._records.kinds, x))
 
     def kinds_of(self, values: Iterable) -> list:
         return [self.kind(x) for x in values if _is_float(x)]
 
     def record(self, values: Iterable, kind: str) -> None:
-        if self.open and kind in (ISLAND, STATISTIC):
+        if self._records.open and kind in (ISLAND, STATISTIC):
             for v in values:
                 if _is_float(v) and v.dtype == _FLOAT32:
-                    self.kinds[id(v)] = (v, kind)
+                    self._records.kinds[id(v)] = (v, kind)
 
     def inherit(self, outer: Iterable, inner: Iterable) -> None:
         """A body's inputs (new tracers) have the kinds of the values they stand for."""
@@ -214,28 +194,28 @@ class _Evaluation:
                 self.record([i], self.kind(o))
 
     def half_of(self, x: Any, half: np.dtype) -> Any:
-        copy = self._found(self.half_copies, x)
+        copy = self._found(self._records.half_copies, x)
         return copy if copy is not None and copy.dtype == half else _cast(x, half)
 
     def keep_half_copy(self, x: Any, copy: Any) -> None:
-        if self.open:
-            self.half_copies[id(x)] = (x, copy)
+        if self._records.open:
+            self._records.half_copies[id(x)] = (x, copy)
 
     def is_weight(self, x: Any) -> bool:
-        return self.weights.get(id(x)) is x
+        return self._records.weights.get(id(x)) is x
 
     def add_weight(self, x: Any) -> None:
-        if self.open:
-            self.weights[id(x)] = x
+        if self._records.open:
+            self._records.weights[id(x)] = x
 
     def downcast(self, x: Any) -> tuple[Any, Any] | None:
         """`(x, float32 weight)` if `x` is a weight's 16-bit cast (`cast_at_use`), else None."""
-        found = self.downcasts.get(id(x))
+        found = self._records.downcasts.get(id(x))
         return found if found is not None and found[0] is x else None
 
     def add_downcast(self, half: Any, weight: Any) -> None:
-        if self.open:
-            self.downcasts[id(half)] = (half, weight)
+        if self._records.open:
+            self._records.downcasts[id(half)] = (half, weight)
 
 
 def _in_float32(ev: _Evaluation, eqn: Any, invals: list, half: np.dtype | None = None) -> list:

@@ -116,8 +116,9 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
     Either way the forward values are the same, and the gradient is summed across devices
     in float32."""
     rule = _jaxpr.rule_of(eqn)
-    if rule is not None and rule.layout and invals and ev.downcast(invals[0]) is not None:
-        half, weight = ev.downcast(invals[0])
+    moved = ev.downcast(invals[0]) if rule is not None and rule.layout and invals else None
+    if moved is not None:
+        half, weight = moved
         (wide,) = _bind(eqn, [weight, *invals[1:]])
         out = _cast(wide, half.dtype)
         ev.add_downcast(out, wide)
