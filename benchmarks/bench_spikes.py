@@ -1,15 +1,20 @@
 """Spike skipping (`loss_scaling(..., skip_spikes=SkipSpikes())`): what it skips, and its cost.
 
-1. The demo's character LM (examples/demo.py, `linen.mixed_precision("mixed_float16")`, dynamic
-   loss scaling), two seeds: a clean run with spike skipping on, which should skip nothing, and
-   the same run with a spike planted every 300 steps (the loss, so its gradients, times 20 on
-   that step), which should skip exactly those steps and end near the clean run. Validation
-   loss is the mean over 20 fixed held-out batches.
-2. Step time of `loss_scaling` with the loss passed (`value=loss`) and spike skipping on,
+1. Healthy noisy runs (`spike_runs.py`: a classifier driven to a near-zero loss at batch 16,
+   a Gaussian NLL that goes below zero, a policy-gradient objective), two seeds: with the
+   default `SkipSpikes()` against the same run without spike skipping (skips, held-out loss),
+   and with two corrupted batches planted (skipped exactly?).
+2. The demo's character LM (examples/demo.py, `linen.mixed_precision("mixed_float16")`,
+   dynamic loss scaling), two seeds: the run without spike skipping, the same with it on
+   (which should skip nothing and end where it ends), and with a spike planted every 300
+   steps (the loss, so its gradients, times 20 on that step), which should skip exactly
+   those. Validation loss is the mean over 20 fixed held-out batches.
+3. Step time of `loss_scaling` with the loss passed (`value=loss`) and spike skipping on,
    against the same without spike skipping, on the suite's shapes (`shapes.py`): medians over
    interleaved rounds, as `bench_train_step.py` measures them.
 
-    python benchmarks/bench_spikes.py [--steps 2000] [--quick] [--step-time (the table 2 only)]
+    python benchmarks/bench_spikes.py [--steps 2000] [--quick]
+        [--healthy | --demo | --step-time (one table only)]
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 import bench_train_step  # noqa: E402
 import demo  # noqa: E402
 import shapes  # noqa: E402
+import spike_runs  # noqa: E402
 
 EVERY = 300
 PLANTED = 20.0
 
 
-def run_demo(steps: int, seed: int, planted: bool, batch=32, length=64):
+def run_demo(steps: int, seed: int, planted: bool, batch=32, length=64, skip=True):
     train_ids, val_ids, vocab = demo.load_text()
     model = jmp.linen.mixed_precision(
         demo.LanguageModel(vocab, length=length), jmp.get_policy("mixed_float16")
@@ -48,7 +54,7 @@ def run_demo(steps: int, seed: int, planted: bool, batch=32, length=64):
             optax.clip_by_global_norm(1.0), optax.adamw(optax.cosine_decay_schedule(3e-3, steps))
         ),
         jmp.DynamicLossScale(2.0**15),
-        skip_spikes=jmp.SkipSpikes(),
+        skip_spikes=jmp.SkipSpikes() if skip else None,
     )
     opt_state = tx.init(params)
 
@@ -74,6 +80,12 @@ def run_demo(steps: int, seed: int, planted: bool, batch=32, length=64):
         params, opt_state, cause, skipped = step(params, opt_state, *next(data), jnp.float32(times))
         if bool(skipped):
             (spikes_at if int(cause) == 3 else other_skips).append(i)
+        if i % 500 == 0:
+            print(
+                f"  demo seed {seed} {'planted' if planted else 'clean'} skip={skip}: step {i}",
+                file=sys.stderr,
+                flush=True,
+            )
     evaluate = jax.jit(lambda p, x, y: loss_fn(p, x, y, 1.0))
     val = demo.batches(val_ids, batch, length, seed=1)
     val_loss = float(np.mean([float(evaluate(params, *next(val))) for _ in range(20)]))
@@ -82,17 +94,19 @@ def run_demo(steps: int, seed: int, planted: bool, batch=32, length=64):
 
 def demo_table(steps: int) -> str:
     lines = [
-        "| seed | run | spike skips | other skips | validation loss | vs clean |",
+        "| seed | run | spike skips | other skips | validation loss | vs without |",
         "|---|---|---|---|---|---|",
     ]
     for seed in (0, 1):
+        without = run_demo(steps, seed, planted=False, skip=False)
         clean = run_demo(steps, seed, planted=False)
         spiky = run_demo(steps, seed, planted=True)
         planted_at = [i for i in range(1, steps) if i % EVERY == 0]
-        for name, (val, spikes, other) in (("clean", clean), ("planted", spiky)):
+        runs = (("without spike skipping", without), ("clean", clean), ("planted", spiky))
+        for name, (val, spikes, other) in runs:
             exact = (
                 ""
-                if name == "clean"
+                if name != "planted"
                 else (
                     " (exactly the planted steps)"
                     if spikes == planted_at
@@ -101,7 +115,31 @@ def demo_table(steps: int) -> str:
             )
             lines.append(
                 f"| {seed} | {name} | {len(spikes)}{exact} | {len(other)} | {val:.4f} | "
-                f"{100 * (val / clean[0] - 1):+.2f}% |"
+                f"{100 * (val / without[0] - 1):+.2f}% |"
+            )
+    return "\n".join(lines)
+
+
+def healthy_table(quick: bool = False) -> str:
+    """Per healthy run and seed: steps skipped as spikes with the defaults, the held-out loss
+    against the same run without spike skipping, and which of two planted corrupted batches
+    were skipped."""
+    lines = [
+        "| run | seed | steps | spike skips (clean) | held-out, without / with | vs without "
+        "| corrupted at | skipped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in spike_runs.RUNS.items():
+        for seed in (0,) if quick else (0, 1):
+            without = spike_runs.train(name, seed)
+            clean = spike_runs.train(name, seed, jmp.SkipSpikes())
+            planted = (1000, run.steps - 1)
+            corrupted = spike_runs.train(name, seed, jmp.SkipSpikes(), corrupt_at=planted)
+            change = abs(clean["held_out"] / without["held_out"] - 1)
+            lines.append(
+                f"| {name} | {seed} | {run.steps} | {len(clean['skipped'])} | "
+                f"{without['held_out']:.4f} / {clean['held_out']:.4f} | {100 * change:.2f}% | "
+                f"{list(planted)} | {corrupted['skipped']} |"
             )
     return "\n".join(lines)
 
@@ -134,10 +172,19 @@ def main(argv=None) -> str:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 301 demo steps")
     parser.add_argument("--step-time", action="store_true", help="only the step-time table")
+    parser.add_argument("--healthy", action="store_true", help="only the healthy-runs table")
+    parser.add_argument("--demo", action="store_true", help="only the demo's table")
     args = parser.parse_args(argv)
     steps = 301 if args.quick else args.steps
-    timing = step_time_table(args.quick)
-    text = timing if args.step_time else f"{demo_table(steps)}\n\n{timing}"
+    if args.step_time or args.healthy or args.demo:
+        tables = [
+            step_time_table(args.quick) if args.step_time else None,
+            healthy_table(args.quick) if args.healthy else None,
+            demo_table(steps) if args.demo else None,
+        ]
+    else:
+        tables = [healthy_table(args.quick), demo_table(steps), step_time_table(args.quick)]
+    text = "\n\n".join(t for t in tables if t is not None)
     print(text)
     return text
 

@@ -112,10 +112,11 @@ _FIXES = {
         "operation, to keep in float32 (overrides, jmp_policy.full_precision)"
     ),
     "spike": (
-        "its loss or global gradient norm jumped far above the running mean "
-        "(loss_scaling(..., skip_spikes=SkipSpikes(...))); the scale was left as it was, and "
-        "after max_run spikes in a row the next step is taken. Many spikes: look at the "
-        "data order and the learning rate, or raise SkipSpikes.factor"
+        "its loss or global gradient norm jumped more than SkipSpikes.threshold spreads (the "
+        "run's own step-to-step noise) above its running mean (loss_scaling(..., "
+        "skip_spikes=SkipSpikes(...))); the scale was left as it was, and after max_run "
+        "spikes in a row the next step is taken. Many spikes: look at the data order and "
+        "the learning rate, or raise SkipSpikes.threshold"
     ),
     "non-finite gradients": (
         "the scaled gradients overflowed, which backing off the scale cures (normal now "
@@ -163,6 +164,9 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
             "jax.grad next to loss_scaling), so every update is that many times too small. "
             "Compute them with jmp_policy.value_and_scaled_grad(loss_fn)(opt_state, params, ...)"
         )
+    counts = (int(n) for n in host_value(state.skip_causes))
+    causes: dict[str, int] = dict(zip(SKIP_CAUSES, counts, strict=True))
+    _warn_if_spikes_are_many(causes["spike"], int(host_value(state.applied_steps)))
     run = int(host_value(state.nonfinite_run))
     if isinstance(scale, DynamicLossScale) and at_floor and run > 0:
         hint = (
@@ -184,12 +188,33 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
         gradient_stats=gradient_stats,
         stats_step=stats_step,
         hint=hint,
-        skip_causes=dict(
-            zip(SKIP_CAUSES, (int(n) for n in host_value(state.skip_causes)), strict=True)
-        ),
+        skip_causes=causes,
         last_skip_cause=(
             SKIP_CAUSES[cause - 1] if (cause := int(host_value(state.last_skip_cause))) else None
         ),
+    )
+
+
+# More spikes than this share of the steps (and at least `_MANY_SPIKES`) suggests a wrong
+# setting: the defaults skipped none of 14,000 healthy steps (`SkipSpikes`).
+_SPIKE_SHARE, _MANY_SPIKES = 0.01, 5
+_SPIKES_WARNED: list[bool] = []
+
+
+def _warn_if_spikes_are_many(spikes: int, applied: int) -> None:
+    """Once per process: spikes skipped at a rate no healthy run shows."""
+    if _SPIKES_WARNED or spikes < _MANY_SPIKES or spikes <= _SPIKE_SHARE * (spikes + applied):
+        return
+    _SPIKES_WARNED.append(True)
+    warnings.warn(
+        f"loss_scaling skipped {spikes} of {spikes + applied} steps as spikes "
+        f"({spikes / (spikes + applied):.1%}), more than the {_SPIKE_SHARE:.0%} that "
+        "suggests a wrong setting: healthy runs skip none with the defaults. A `threshold` "
+        "far below 10, a `warmup` too short for the spread to settle, or a loss passed as "
+        "`value` that is not the training loss (a sum over a variable batch, a metric) "
+        "would do it; if the data really is this bursty, raise SkipSpikes.threshold.",
+        PrecisionWarning,
+        stacklevel=3,
     )
 
 

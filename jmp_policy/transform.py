@@ -77,7 +77,7 @@ class LossScalingState(NamedTuple):
       gradient_stats: with `loss_scaling(..., stats_every=N)`, the `GradientStats` of the
         scaled gradients, collected every N steps; None otherwise.
       spike_stats: with `loss_scaling(..., skip_spikes=SkipSpikes())`, the running means
-        spikes are judged against (`SpikeStats`); None otherwise.
+        and spreads spikes are judged against (`SpikeStats`); None otherwise.
     """
 
     loss_scale: LossScale
@@ -183,7 +183,8 @@ def loss_scaling(
         (the default): nothing is collected and the step is unchanged.
       stats_dtype: the dtype the scaled gradients are judged against.
       skip_spikes: a `SkipSpikes`: also skip steps whose loss or global gradient norm
-        jumps far above its running mean (cause "spike"). None (the default): off, and
+        jumps more than `threshold` spreads of the run's own step-to-step noise above its
+        running mean (cause "spike"; any sign and scale of loss). None (the default): off, and
         the step does no extra work.
 
     Returns:
@@ -225,7 +226,7 @@ def loss_scaling(
         stats_every = whole_number(stats_every, "stats_every", low=1)
     if skip_spikes is not None and not isinstance(skip_spikes, SkipSpikes):
         raise TypeError(
-            "Expected a jmp_policy.SkipSpikes (e.g. SkipSpikes(factor=10.0)) or None for "
+            "Expected a jmp_policy.SkipSpikes (e.g. SkipSpikes(threshold=10.0)) or None for "
             f"`skip_spikes`, got {type(skip_spikes).__name__}."
         )
     try:
@@ -259,16 +260,7 @@ def loss_scaling(
                 if stats_every is None
                 else empty_gradient_stats(len(jax.tree.leaves(params)), judged_in)
             ),
-            spike_stats=(
-                None
-                if skip_spikes is None
-                else SpikeStats(
-                    jnp.zeros((), jnp.float32),
-                    jnp.zeros((), jnp.float32),
-                    jnp.zeros((), jnp.int32),
-                    jnp.zeros((), jnp.int32),
-                )
-            ),
+            spike_stats=(None if skip_spikes is None else SpikeStats.empty()),
         )
 
     def update_fn(updates, state, params=None, value=None, **extra_args):

@@ -247,6 +247,7 @@ def test_benchmark_against_a_revision_rejects_an_unknown_revision():
         bench.load_revision("no-such-revision")
 
 
+@pytest.mark.slow  # a benchmark's smoke run (16 s): .ci/run's slow lane, with the others
 def test_gpu_benchmark_configurations_run_tiny_on_cpu():
     # Every configuration's code path, float8 included, at a tiny size; on CPU
     # there is no cuBLASLt, so no fp8 GEMM, and the table says it fell back.

@@ -268,6 +268,7 @@ def _check_bytes_against_float32_and_a_bfloat16_cast(rows):
     assert {c[1] for c in cpu if c[0] == "all-gather"} == {"f32"}
 
 
+@pytest.mark.slow  # the 4-device test's layouts again (20 s): .ci/run's slow lane
 def test_gradients_cross_the_wire_in_float32_on_8_devices():
     # Every layout again, with 8 devices (32 rows of each kernel per device under FSDP).
     rows = _collectives(8, "--reduce-dtypes", "float32", "--baselines", "none")
