@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jmp_policy._validation import warn_at_user_line
+from jmp_policy._validation import HALF_MASTER_WEIGHTS, warn_at_user_line, warn_once_per_mistake
 from jmp_policy.loss_scale import (
     LossScale,
 )
@@ -95,18 +95,23 @@ def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
     on_purpose = lambda x: getattr(type(x), "keeps_16_bit_updates", False) is True  # noqa: E731
     if any(on_purpose(x) for x in jax.tree.leaves(inner_state, is_leaf=on_purpose)):
         return
-    for what, tree in (("parameters", params), ("the inner optimizer state", inner_state)):
+    # The optimizer state follows the parameters (Adam's moments take their dtype): it is named
+    # only when the parameters are not the cause. One mistake, one message.
+    for what, tree in (("parameters", params), ("inner optimizer state", inner_state)):
         half = _half_leaves(tree)
         if half:
             shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")
-            warn_at_user_line(
-                f"loss_scaling: {what} are in half precision ({shown}). Weight updates must "
-                "not run in float16/bfloat16: small updates round away and Adam's eps "
-                "underflows to 0 in float16. Keep float32 master weights and cast a copy for "
-                "the forward pass, e.g. `policy = jmp_policy.get_policy('mixed_float16')`, "
+            warn_once_per_mistake(
+                HALF_MASTER_WEIGHTS,
+                f"Expected float32 {what} (master weights) for loss_scaling's `init`, got "
+                f"half precision: {shown}. Weight updates must not run in float16/bfloat16: "
+                "small updates round away and Adam's eps underflows to 0 in float16. Keep "
+                "float32 master weights and cast a copy for the forward pass, e.g. "
+                "`policy = jmp_policy.get_policy('mixed_float16')`, "
                 "`params = policy.cast_to_param(params)` before `init`, and "
                 "`policy.cast_to_compute(params)` inside the loss. Or keep them in bfloat16 "
                 "without losing the small updates: wrap the optimizer in "
                 "`jmp_policy.low_precision_optimizer` (stochastic rounding, Kahan or split).",
                 UserWarning,
             )
+            return

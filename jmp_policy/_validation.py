@@ -125,6 +125,23 @@ def is_library_file(file_name: str) -> bool:
     return any(d in name for d in LIBRARY_DIRS) or "/python3." in name or name.startswith("<frozen")
 
 
+_SAID: set[str] = set()
+
+
+def warn_once_per_mistake(mistake: str, message: str, category: type[Warning]) -> None:
+    """`warn_at_user_line`, once per process for each `mistake`: the places that can see one
+    mistake (a half-precision policy at the model, then its parameters at `tx.init`) say it
+    once, not once each."""
+    if mistake in _SAID:
+        return
+    _SAID.add(mistake)
+    warn_at_user_line(message, category)
+
+
+HALF_MASTER_WEIGHTS = "half-precision master weights"
+"""The mistake of training float16/bfloat16 parameters without `low_precision_optimizer`."""
+
+
 def warn_at_user_line(message: str, category: type[Warning]) -> None:
     """`warnings.warn(message, category)` attributed to the innermost line of the user's code
     on the stack, not to a line of JAX, Flax, optax or this library (which a fixed

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_policy._validation import warn_at_user_line
+from jmp_policy._validation import HALF_MASTER_WEIGHTS, warn_once_per_mistake
 
 T = TypeVar("T")
 
@@ -343,11 +343,12 @@ def check_model_policy(given: Any, integration: str) -> Policy:
     if policy.param_dtype.itemsize > 2 or not isinstance(given, str) or "=" in given:
         return policy
     half = policy.param_dtype.name
-    warn_at_user_line(
-        f"{integration}: the policy {given!r} stores the parameters in {half} too ({policy}). "
-        f"Training updates them in {half}, where small updates round away and loss scaling "
-        f"skips most steps with the scale stuck at its floor. For float32 master weights and "
-        f"{half} compute, pass 'mixed_{half}'.",
+    warn_once_per_mistake(
+        HALF_MASTER_WEIGHTS,
+        f"Expected float32 parameters (master weights) from the policy given to {integration}, "
+        f"got {given!r} ({policy}): every weight update would run in {half}, where small "
+        f"updates round away. Did you mean 'mixed_{half}'? (float32 parameters, {half} "
+        f"compute; {given!r} puts everything, parameters too, in {half}.)",
         UserWarning,
     )
     return policy

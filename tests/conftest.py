@@ -69,6 +69,16 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
+def mistakes_said_afresh():
+    """A mistake is said once per process (`_validation.warn_once_per_mistake`): each test
+    starts as a fresh process would."""
+    from jmp_policy import _validation
+
+    _validation._SAID.clear()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def strict_dtype_promotion(request):
     mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
     with jax.numpy_dtype_promotion(mode):

@@ -254,7 +254,7 @@ def test_half_precision_names_suggest_the_mixed_policy_first(name):
 def test_a_policy_with_16_bit_parameters_on_a_model_warns_at_the_users_line(apply):
     import flax.linen as nn
 
-    with pytest.warns(UserWarning, match="pass 'mixed_float16'") as caught:
+    with pytest.warns(UserWarning, match="Did you mean 'mixed_float16'") as caught:
         if apply == "linen":
             jmp.linen.mixed_precision(nn.Dense(2), "f16")
         elif apply == "nnx":
@@ -296,3 +296,20 @@ def test_the_equinox_wrapper_reads_the_models_attributes_and_rewraps_with_the_ne
     assert type(again.model) is eqx.nn.MLP  # one wrapper, not two
     assert again.policy == jmp.get_policy("mixed_bfloat16")
     assert jmp.precision_report(again, jnp.ones(2)).counts["dot_general"] == {"bfloat16": 3}
+
+
+def test_one_mistake_one_message():
+    """The policy 'float16' given to a model, then its float16 parameters to `tx.init`: one
+    warning, in `get_policy`'s form, not one from each place that sees it."""
+    import flax.linen as nn
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = jmp.linen.mixed_precision(nn.Dense(4), "float16")
+        params = model.init(jax.random.key(0), jnp.ones((2, 3)))["params"]
+        jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15)).init(params)
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(said) == 1, said
+    assert said[0].startswith("Expected float32 parameters (master weights)")
+    assert "Did you mean 'mixed_float16'?" in said[0]
+    assert "skips most steps" not in said[0]  # no prediction of skips that do not come
