@@ -15,6 +15,7 @@ derived from `dataclasses.fields`, so none can be dropped.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -100,3 +101,26 @@ def signature(tree: Any) -> Any:
             except TypeError:
                 described.append(type(leaf))
     return treedef, tuple(described)
+
+
+def pure_nnx(args: tuple) -> tuple[tuple, Callable[[Sequence[Any]], tuple]]:
+    """`args` with each NNX module replaced by its state (`nnx.split`, outside any trace),
+    and a function that merges them back (`nnx.merge`, inside the trace): a module that
+    writes a variable when called (BatchNorm's statistics, Dropout's RNG counts) cannot be
+    called in a trace it was not split for (Flax's TraceContextError). Without Flax loaded,
+    `args` as they are."""
+    nnx = getattr(sys.modules.get("flax"), "nnx", None)  # never loads Flax
+    if nnx is None or not any(isinstance(a, nnx.Module) for a in args):
+        return args, tuple
+    graphdefs, pure = {}, []
+    for i, arg in enumerate(args):
+        if isinstance(arg, nnx.Module):
+            graphdefs[i], arg = nnx.split(arg)
+        pure.append(arg)
+
+    def merge(inner: Sequence[Any]) -> tuple:
+        return tuple(
+            nnx.merge(graphdefs[i], x) if i in graphdefs else x for i, x in enumerate(inner)
+        )
+
+    return tuple(pure), merge

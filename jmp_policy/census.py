@@ -26,7 +26,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy import _jaxpr, _naming
 from jmp_policy._compat import jaxprs_in_params
-from jmp_policy._pytree import split_traced
+from jmp_policy._pytree import pure_nnx, split_traced
 from jmp_policy.block_scaled import SCOPE
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
 from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
@@ -412,9 +412,30 @@ def precision_report(
     return report_of_jaxpr(program, before)
 
 
+def _pure(fun: Any, args: tuple) -> tuple[Callable[..., Any], tuple]:
+    """`fun(*args)` with NNX modules (`fun` itself, or among `args`) called as pure functions
+    of their states (`_pytree.pure_nnx`), whatever variables they write when called. The
+    state of an NNX `fun` becomes the first argument; any other `fun` stays as it is."""
+    with_fun, merge = pure_nnx((fun, *args))
+    if with_fun[0] is fun:  # not an NNX module: called as it is
+
+        def pure(*inner: Any, **kwargs: Any) -> Any:
+            return fun(*merge((fun, *inner))[1:], **kwargs)
+
+        return pure, with_fun[1:]
+
+    def pure_module(*inner: Any, **kwargs: Any) -> Any:
+        module, *rest = merge(inner)
+        return module(*rest, **kwargs)
+
+    return pure_module, with_fun
+
+
 def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ClosedJaxpr:
     """`jax.make_jaxpr(fun)(*args, **kwargs)`, with non-array leaves (an Equinox
-    module's functions, flags) passed to `fun` as they are rather than traced."""
+    module's functions, flags) passed to `fun` as they are rather than traced. An NNX module
+    is traced as a pure function of its state, whatever variables it writes."""
+    fun, args = _pure(fun, args)
     arrays, rebuild = split_traced((args, kwargs))
 
     def run(*traced):
@@ -430,6 +451,7 @@ def traced_once(
     """The program `fun(*args, **kwargs)` traces (as `trace`), and a function that returns
     its result from the program, evaluated on the arguments in the caller's trace (as
     `jax.core.eval_jaxpr` does: the same equations, names kept), not from a second run."""
+    fun, args = _pure(fun, args)
     arrays, rebuild = split_traced((args, kwargs))
 
     def run(*traced):

@@ -2,6 +2,8 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax import lax
 from models import PARAMS, RNN_PARAMS, XS, X, Y, loss_fn, rnn
 
@@ -80,3 +82,42 @@ def test_shape_dtype_structs_and_printing():
     assert "ops in half precision: " in text and "dot_general" in text
     assert report.rows[0][:2] == ("dot_general", "float16")
     assert report.rows[0][3] == 2 * 8 * 8 * 16
+
+
+def _host(x):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_an_nnx_model_that_writes_variables_is_reported_as_it_is(mode):
+    """BatchNorm's statistics and Dropout's RNG counts, written when the model is called:
+    `precision_report(model, x)` and `debug_precision(loss, model, x)` take the model as it
+    is (it is traced as a pure function of its state), and it is left unchanged."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 16, rngs=rngs)
+            self.norm = nnx.BatchNorm(16, rngs=rngs)
+            self.dropout = nnx.Dropout(0.1, rngs=rngs)
+            self.head = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.dropout(nnx.relu(self.norm(self.linear(x)))))
+
+    x = jnp.ones((4, 8))
+    plain = Block(nnx.Rngs(0))
+    for model in (plain, jmp.nnx.mixed_precision(Block(nnx.Rngs(0)), "mixed_float16")):
+        getattr(model, mode)()
+        before = jax.tree.map(_host, nnx.state(model))
+        report = jmp.precision_report(model, x)
+        assert sum(report.counts["dot_general"].values()) == 2
+        debug = jmp.debug_precision(lambda m, x: jnp.mean(m(x) ** 2), model, x)
+        layers = {s.layer for s in debug.layers}
+        assert {"Block/linear", "Block/norm", "Block/head"} <= layers, layers
+        after = jax.tree.map(_host, nnx.state(model))
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+            np.testing.assert_array_equal(a, b)  # nothing in the model changed
+    assert report.counts["dot_general"] == {"float16": 2}  # the mixed model's

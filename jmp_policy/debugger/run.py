@@ -14,7 +14,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jmp_policy import _jaxpr, _naming
-from jmp_policy._pytree import is_traced_leaf, split_traced
+from jmp_policy._pytree import is_traced_leaf, pure_nnx, split_traced
 from jmp_policy.debugger.interpreter import _Collector
 from jmp_policy.debugger.names import _hoisted, _renamed
 from jmp_policy.debugger.report import OpError, PrecisionDebugReport
@@ -119,10 +119,13 @@ def debug_precision(
         for path, leaf in leaves
         if is_traced_leaf(leaf) and is_floating_array(leaf) and not _all_finite([leaf])
     )
+    # An NNX module among the arguments: its state is what is traced, and it is merged back
+    # inside the trace, so one that writes variables (BatchNorm, Dropout) can be called there.
+    args, merge = pure_nnx(args)
     split = [split_traced(a) for a in args]
 
     def on_arrays(*arrays):
-        return loss_fn(*(rebuild(a) for a, (_, rebuild) in zip(arrays, split, strict=True)))
+        return loss_fn(*merge([rebuild(a) for a, (_, rebuild) in zip(arrays, split, strict=True)]))
 
     arrays = [traced for traced, _ in split]
     closed, flat, cotangent, _ = _with_seed(on_arrays, arrays, argnums, has_aux=False)
