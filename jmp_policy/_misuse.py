@@ -88,7 +88,11 @@ def _half_leaves(tree: Any) -> list[str]:
     return found
 
 
-def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
+def _warn_if_half_master_weights(params: Any, inner_state: Any, where: str = "init") -> None:
+    """Says (once per process) that the parameters, or at `init` the inner optimizer state,
+    are float16/bfloat16 master weights: at `init`, or at the first `update` (traced once per
+    signature), where parameters cast after `init` (the whole tree cast to the compute dtype,
+    or a `TrainState` built from cast parameters) first show."""
     # A state that declares it (low_precision_optimizer's) keeps 16-bit parameters and moments
     # on purpose, their small updates kept. Read from the class, so that this module does not
     # import the low-precision layer below it.
@@ -97,13 +101,14 @@ def _warn_if_half_master_weights(params: Any, inner_state: Any) -> None:
         return
     # The optimizer state follows the parameters (Adam's moments take their dtype): it is named
     # only when the parameters are not the cause. One mistake, one message.
-    for what, tree in (("parameters", params), ("inner optimizer state", inner_state)):
+    trees = (("parameters", params), ("inner optimizer state", inner_state))
+    for what, tree in trees if where == "init" else trees[:1]:
         half = _half_leaves(tree)
         if half:
             shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")
             warn_once_per_mistake(
                 HALF_MASTER_WEIGHTS,
-                f"Expected float32 {what} (master weights) for loss_scaling's `init`, got "
+                f"Expected float32 {what} (master weights) for loss_scaling's `{where}`, got "
                 f"half precision: {shown}. Weight updates must not run in float16/bfloat16: "
                 "small updates round away and Adam's eps underflows to 0 in float16. Keep "
                 "float32 master weights and cast a copy for the forward pass, e.g. "

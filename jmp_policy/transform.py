@@ -265,6 +265,8 @@ def loss_scaling(
 
     def update_fn(updates, state, params=None, value=None, **extra_args):
         _check_state(state)
+        if params is not None:  # static dtypes: said while the first step traces
+            _warn_if_half_master_weights(params, state.inner_state, where="update")
         loss_scale = state.loss_scale
         if not isinstance(loss_scale, NoOpLossScale) and computed_without(
             updates, params, loss_scale

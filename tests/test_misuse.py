@@ -313,3 +313,48 @@ def test_one_mistake_one_message():
     assert said[0].startswith("Expected float32 parameters (master weights)")
     assert "Did you mean 'mixed_float16'?" in said[0]
     assert "skips most steps" not in said[0]  # no prediction of skips that do not come
+
+
+@pytest.mark.standard_promotion  # optax's Adam mixes float and int
+@pytest.mark.parametrize("layout", ["optax step", "TrainState"])
+def test_half_parameters_at_update_warn_once_at_the_first_step(layout):
+    """Parameters cast to float16 after `tx.init` (the whole tree cast to the compute dtype):
+    the first `update` says so, once; the master weights would be float16 from then on."""
+    from flax.training import train_state
+
+    tx = jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15))
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    half = jax.tree.map(lambda p: p.astype(jnp.float16), params)
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**14, p.dtype), params)  # scaled
+    if layout == "optax step":
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, grads):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        run = lambda: step(half, opt_state, grads)  # noqa: E731
+    else:
+        state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+        state = state.replace(params=half)
+        run = lambda: jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+        run()
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(said) == 1, said
+    assert "Expected float32 parameters (master weights) for loss_scaling's `update`" in said[0]
+    assert "['w'] (float16)" in said[0] and "cast_to_compute" in said[0]
+
+
+def test_half_parameters_with_low_precision_optimizer_are_meant():
+    tx = jmp.loss_scaling(
+        jmp.low_precision_optimizer(optax.sgd(0.1), "stochastic"), jmp.DynamicLossScale(2.0**15)
+    )
+    params = {"w": jnp.ones(4, jnp.bfloat16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt_state = tx.init(params)
+        tx.update({"w": jnp.full(4, 2.0**14, jnp.bfloat16)}, opt_state, params)
