@@ -139,8 +139,9 @@ class SpikeStats(NamedTuple):
 
     @classmethod
     def empty(cls) -> SpikeStats:
-        zero = jnp.zeros((), jnp.float32)
-        return cls(zero, zero, zero, zero, zero, zero, *(jnp.zeros((), jnp.int32),) * 2)
+        """Zeros, each field its own buffer (a donated state may not hold one twice)."""
+        floats = [jnp.zeros((), jnp.float32) for _ in range(6)]
+        return cls(*floats, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
 def spread(config: SkipSpikes, mean_square: jax.Array, mean: jax.Array, seen: jax.Array):

@@ -5,6 +5,7 @@ to `update` (`value=loss`): each planted cause is recorded, the scale backs off 
 gradient overflow, and parameters, optimizer state and batch statistics stay bit for bit.
 """
 
+import functools
 import warnings
 
 import jax
@@ -364,3 +365,20 @@ def test_many_spikes_warn_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jmp.loss_scaling_report(state)  # once
+
+
+def test_spike_skipping_state_is_donated_under_jit():
+    """Each field of the spike statistics is its own buffer: a donated state may not hold one
+    twice (`SpikeStats.empty` once shared one zero between six fields)."""
+    tx, params, state, _ = _spiky(warmup=2)
+    leaves = jax.tree.leaves(state)
+    assert len({id(x) for x in leaves}) == len(leaves)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, grads, loss):
+        updates, state = tx.update(grads, state, params, value=loss)
+        return optax.apply_updates(params, updates), state
+
+    for i in range(4):
+        params, state = step(params, state, _grads(1.0 + 0.01 * i), jnp.float32(1.0 + 0.01 * i))
+    assert int(state.applied_steps) == 4
