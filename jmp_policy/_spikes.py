@@ -124,6 +124,8 @@ class SpikeStats(NamedTuple):
       loss_spread, norm_spread: running mean squares of the differences between consecutive
         applied steps' values (not yet bias-corrected: see `spread`).
       loss_last, norm_last: the last applied step's values.
+      spread_weight: the spreads' total weight, 1 - spread_decay**n after n differences
+        (their bias correction, as Adam's, kept up by one multiply-add a step).
       seen: applied steps learnt from since the statistics (re)started (int32, saturating).
       run: spike skips in a row (int32).
     """
@@ -134,23 +136,24 @@ class SpikeStats(NamedTuple):
     norm_mean: jax.Array
     norm_spread: jax.Array
     norm_last: jax.Array
+    spread_weight: jax.Array
     seen: jax.Array
     run: jax.Array
 
     @classmethod
     def empty(cls) -> SpikeStats:
         """Zeros, each field its own buffer (a donated state may not hold one twice)."""
-        floats = [jnp.zeros((), jnp.float32) for _ in range(6)]
+        floats = [jnp.zeros((), jnp.float32) for _ in range(7)]
         return cls(*floats, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
-def spread(config: SkipSpikes, mean_square: jax.Array, mean: jax.Array, seen: jax.Array):
+def spread(mean_square: jax.Array, mean: jax.Array, weight: jax.Array) -> jax.Array:
     """The spread a value is judged in: sqrt of the bias-corrected mean square of consecutive
-    differences over 2 (the standard deviation of the noise, for independent noise), floored."""
-    differences = jnp.maximum(seen - 1, 1).astype(jnp.float32)
-    corrected = mean_square / (1 - config.spread_decay**differences)
+    differences over 2 (the standard deviation of the noise, for independent noise), floored.
+    `weight`: `SpikeStats.spread_weight` (0 before the first difference)."""
+    corrected = mean_square / jnp.maximum(weight, _ABSOLUTE_FLOOR)
     floor = jnp.maximum(_RELATIVE_FLOOR * jnp.abs(mean), _ABSOLUTE_FLOOR)
-    return jnp.maximum(jnp.sqrt(jnp.where(seen > 1, corrected, 0.0) / 2), floor)
+    return jnp.maximum(jnp.sqrt(corrected / 2), floor)
 
 
 def _judge_spike(config, stats, finite, grads, value, axis_name):
@@ -168,7 +171,7 @@ def _judge_spike(config, stats, finite, grads, value, axis_name):
     log_norm = jnp.log(jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
 
     def z(x, mean, mean_square):
-        return (x - mean) / spread(config, mean_square, mean, stats.seen)
+        return (x - mean) / spread(mean_square, mean, stats.spread_weight)
 
     warm = stats.seen >= config.warmup
     above = z(log_norm, stats.norm_mean, stats.norm_spread) >= config.threshold
@@ -198,10 +201,15 @@ def _judge_spike(config, stats, finite, grads, value, axis_name):
         learn(log_norm, stats.norm_mean, stats.norm_spread, stats.norm_last),
         (stats.norm_mean, stats.norm_spread, stats.norm_last),
     )
+    # The first step has no difference yet; each later one adds its weight (1 - decay).
+    decay = config.spread_decay
+    weight = jnp.where(stats.seen == 0, 0.0, decay * stats.spread_weight + (1 - decay))
+    weight = jnp.where(first, 0.0, weight)
     seen = jnp.where(first, 1, optax.safe_int32_increment(stats.seen))
     learnt = SpikeStats(
         *loss_stats,
         *norm_stats,
+        spread_weight=jnp.where(applied, weight, stats.spread_weight),
         seen=jnp.where(applied, seen, stats.seen).astype(jnp.int32),
         run=jnp.where(spike, stats.run + 1, 0).astype(jnp.int32),
     )

@@ -192,13 +192,13 @@ def _noisy(state, params, update, steps=40, loss=1.0, seed=0):
 
 def _spreads_above(state, which, spreads):
     """The value `spreads` spreads above the running mean (`loss`, or a gradient norm)."""
-    config, stats = jmp.SkipSpikes(), state.spike_stats
+    stats = state.spike_stats
     mean, square = (
         (stats.loss_mean, stats.loss_spread)
         if which == "loss"
         else (stats.norm_mean, stats.norm_spread)
     )
-    value = mean + spreads * spread(config, square, mean, stats.seen)
+    value = mean + spreads * spread(square, mean, stats.spread_weight)
     return float(value) if which == "loss" else float(jnp.exp(value))
 
 
