@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -143,8 +143,20 @@ class SpikeStats(NamedTuple):
     @classmethod
     def empty(cls) -> SpikeStats:
         """Zeros, each field its own buffer (a donated state may not hold one twice)."""
-        floats = [jnp.zeros((), jnp.float32) for _ in range(7)]
-        return cls(*floats, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        def zero(dtype: Any = jnp.float32) -> jax.Array:
+            return jnp.zeros((), dtype)
+
+        return cls(
+            loss_mean=zero(),
+            loss_spread=zero(),
+            loss_last=zero(),
+            norm_mean=zero(),
+            norm_spread=zero(),
+            norm_last=zero(),
+            spread_weight=zero(),
+            seen=zero(jnp.int32),
+            run=zero(jnp.int32),
+        )
 
 
 def spread(mean_square: jax.Array, mean: jax.Array, weight: jax.Array) -> jax.Array:
