@@ -94,7 +94,7 @@ def image_batches(key, steps, batch=16, size=16, classes=4):
         & (xx >= cols[..., None, None])
         & (xx < cols[..., None, None] + half)
     )
-    images = jr.normal(k2, (steps, batch, 3, size, size)) + inside[:, :, None] * 0.3
+    images = jr.normal(k2, (steps, batch, 3, size, size)) + inside[:, :, None] * 0.15
     return images, labels
 
 

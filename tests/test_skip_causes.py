@@ -332,6 +332,7 @@ def _healthy_and_corrupted(name, seed):
     return clean
 
 
+@pytest.mark.slow  # three 2,000-step runs (8 s): .ci/run's slow lane
 @pytest.mark.standard_promotion  # optax's Adam mixes float and int
 def test_a_gaussian_nll_below_zero_skips_nothing_but_corrupted_batches():
     """A Gaussian NLL goes below zero as it trains (to about -0.8): `loss > 10 * mean` skipped
