@@ -143,6 +143,7 @@ class SpikeStats(NamedTuple):
     @classmethod
     def empty(cls) -> SpikeStats:
         """Zeros, each field its own buffer (a donated state may not hold one twice)."""
+
         def zero(dtype: Any = jnp.float32) -> jax.Array:
             return jnp.zeros((), dtype)
 
