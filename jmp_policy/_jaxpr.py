@@ -305,7 +305,7 @@ _TABLE_BY_NAME: dict[str, Rule] = {
     ),
     **dict.fromkeys(
         "bitcast_convert_type custom_lin custom_linear_solve reduce reduce_window "
-        "create_token after_all get swap empty2 name".split(),
+        "create_token after_all get swap empty2 name xla_pmap".split(),
         Rule(AS_TRACED),
     ),
 }
