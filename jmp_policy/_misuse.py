@@ -9,7 +9,12 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jmp_policy._validation import HALF_MASTER_WEIGHTS, warn_at_user_line, warn_once_per_mistake
+from jmp_policy._validation import (
+    HALF_MASTER_WEIGHTS,
+    said,
+    warn_at_user_line,
+    warn_once_per_mistake,
+)
 from jmp_policy.loss_scale import (
     LossScale,
 )
@@ -96,6 +101,8 @@ def _warn_if_half_master_weights(params: Any, inner_state: Any, where: str = "in
     # A state that declares it (low_precision_optimizer's) keeps 16-bit parameters and moments
     # on purpose, their small updates kept. Read from the class, so that this module does not
     # import the low-precision layer below it.
+    if said(HALF_MASTER_WEIGHTS):  # said once: no walk of the trees at every later trace
+        return
     on_purpose = lambda x: getattr(type(x), "keeps_16_bit_updates", False) is True  # noqa: E731
     if any(on_purpose(x) for x in jax.tree.leaves(inner_state, is_leaf=on_purpose)):
         return

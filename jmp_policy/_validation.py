@@ -138,8 +138,15 @@ def warn_once_per_mistake(mistake: str, message: str, category: type[Warning]) -
     warn_at_user_line(message, category)
 
 
+def said(mistake: str) -> bool:
+    """Whether `mistake` was said in this process (a check that can stop looking)."""
+    return mistake in _SAID
+
+
 HALF_MASTER_WEIGHTS = "half-precision master weights"
 """The mistake of training float16/bfloat16 parameters without `low_precision_optimizer`."""
+MANY_SPIKES = "many spikes"
+"""Spikes skipped at a rate no healthy run shows (`loss_scaling_report`)."""
 
 
 def warn_at_user_line(message: str, category: type[Warning]) -> None:

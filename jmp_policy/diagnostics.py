@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jmp_policy._gradient_stats import GradientStats as GradientStats  # its public home
+from jmp_policy._validation import MANY_SPIKES, warn_once_per_mistake
 from jmp_policy.census import PrecisionWarning
 from jmp_policy.loss_scale import DynamicLossScale
 from jmp_policy.transform import SKIP_CAUSES, find_loss_scaling_state, host_value
@@ -198,15 +199,14 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
 # More spikes than this share of the steps (and at least `_MANY_SPIKES`) suggests a wrong
 # setting: the defaults skipped none of 14,000 healthy steps (`SkipSpikes`).
 _SPIKE_SHARE, _MANY_SPIKES = 0.01, 5
-_SPIKES_WARNED: list[bool] = []
 
 
 def _warn_if_spikes_are_many(spikes: int, applied: int) -> None:
     """Once per process: spikes skipped at a rate no healthy run shows."""
-    if _SPIKES_WARNED or spikes < _MANY_SPIKES or spikes <= _SPIKE_SHARE * (spikes + applied):
+    if spikes < _MANY_SPIKES or spikes <= _SPIKE_SHARE * (spikes + applied):
         return
-    _SPIKES_WARNED.append(True)
-    warnings.warn(
+    warn_once_per_mistake(
+        MANY_SPIKES,
         f"loss_scaling skipped {spikes} of {spikes + applied} steps as spikes "
         f"({spikes / (spikes + applied):.1%}), more than the {_SPIKE_SHARE:.0%} that "
         "suggests a wrong setting: healthy runs skip none with the defaults. A `threshold` "
@@ -214,7 +214,6 @@ def _warn_if_spikes_are_many(spikes: int, applied: int) -> None:
         "`value` that is not the training loss (a sum over a variable batch, a metric) "
         "would do it; if the data really is this bursty, raise SkipSpikes.threshold.",
         PrecisionWarning,
-        stacklevel=3,
     )
 
 
