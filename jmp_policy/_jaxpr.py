@@ -254,7 +254,7 @@ _FOLLOWS = Rule(OPERANDS)
 
 # One line per rule: primitive names as the installed JAX spells them.
 _TABLE_BY_NAME: dict[str, Rule] = {
-    **dict.fromkeys("dot_general conv_general_dilated".split(), Rule(COMPUTE)),
+    **dict.fromkeys(["dot_general", "conv_general_dilated", RAGGED_DOT.name], Rule(COMPUTE)),
     **dict.fromkeys(
         "exp exp2 log log1p expm1 pow integer_pow square sqrt rsqrt cbrt logistic erf erfc "
         "erf_inv lgamma digamma".split(),
@@ -318,7 +318,6 @@ RULES: dict[Any, Rule] = {
 }
 """The rule of each primitive object of the installed JAX that has one (`rule_of` also finds
 those it binds but does not export, by name)."""
-RULES[RAGGED_DOT] = Rule(COMPUTE)
 RULES_BY_NAME: dict[str, Rule] = {
     name: rule for name, rule in _TABLE_BY_NAME.items() if name not in _EXPORTED
 }
@@ -337,9 +336,7 @@ def rule_of(primitive: Any) -> Rule | None:
 def names_running_in(runs_in: str) -> frozenset[str]:
     """The names of the primitives whose rule runs in `runs_in` (for lists users write by
     name: autocast's `allow` and `deny`)."""
-    return frozenset(name for name, rule in _TABLE_BY_NAME.items() if rule.runs_in == runs_in) | (
-        frozenset({RAGGED_DOT.name}) if runs_in == COMPUTE else frozenset()
-    )
+    return frozenset(name for name, rule in _TABLE_BY_NAME.items() if rule.runs_in == runs_in)
 
 
 DIV = _primitives.div_p
