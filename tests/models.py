@@ -368,3 +368,17 @@ def round_trips(jaxpr: Any) -> dict[str, list]:
 
     walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
     return found
+
+
+class NNXBatchNormNet(nnx.Module):
+    """An NNX model that writes variables when called: BatchNorm's statistics (train mode)
+    and Dropout's RNG counts."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(4, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.head = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.drop(self.norm(nnx.relu(self.up(x)))))

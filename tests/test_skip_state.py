@@ -18,7 +18,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
-from models import ScanMLP
+from models import NNXBatchNormNet, ScanMLP
 
 import jmp_policy as jmp
 
@@ -175,20 +175,9 @@ def test_linen_forward_overflow_keeps_batch_stats_under_donation():
 # --- NNX ---------------------------------------------------------------------------------
 
 
-class _NnxNet(nnx.Module):
-    def __init__(self, rngs):
-        self.up = nnx.Linear(4, 16, rngs=rngs)
-        self.norm = nnx.BatchNorm(16, rngs=rngs)
-        self.drop = nnx.Dropout(0.1, rngs=rngs)
-        self.head = nnx.Linear(16, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.head(self.drop(self.norm(nnx.relu(self.up(x)))))
-
-
 def test_nnx_forward_overflow_keeps_batch_stats_and_rng_counts():
     model = jmp.nnx.mixed_precision(
-        _NnxNet(nnx.Rngs(0, dropout=1)), jmp.get_policy("mixed_float16")
+        NNXBatchNormNet(nnx.Rngs(0, dropout=1)), jmp.get_policy("mixed_float16")
     )
     optimizer = nnx.Optimizer(
         model, jmp.loss_scaling(optax.adam(1e-2), jmp.DynamicLossScale(2.0**15)), wrt=nnx.Param
