@@ -284,7 +284,7 @@ _TABLE_BY_NAME: dict[str, Rule] = {
     ),
     **dict.fromkeys("broadcast_in_dim reshape transpose squeeze".split(), _LAYOUT),
     **dict.fromkeys(
-        "slice dynamic_slice dynamic_update_slice gather concatenate pad rev split scatter "
+        "slice dynamic_slice dynamic_update_slice gather concatenate stack pad rev split scatter "
         "stop_gradient select_and_gather_add".split(),
         _LINEAR,
     ),

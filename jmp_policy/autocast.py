@@ -116,16 +116,21 @@ class _Autocast:
             else _StaticLeaf(x)
             for x, is_traced in zip(flat, traced, strict=True)
         )
+        arrays = [x for x, is_traced in zip(flat, traced, strict=True) if is_traced]
+        # Inside `shard_map`, which mesh axes each input varies over is part of its type: the
+        # program is traced on the inputs' types (with it), so the `pvary`s JAX inserts for
+        # constants meeting varying values are in it.
+        varying = tuple(getattr(jax.typeof(x), "vma", None) for x in arrays)
         # Traced again while the debugger names NNX/Equinox modules (`_naming`): a program
         # built before has no module paths in its name stacks.
-        key = (in_tree, specs, static_args, static_kwargs, _naming.active())
+        key = (in_tree, specs, varying, static_args, static_kwargs, _naming.active())
         if key not in self._cache:
             self._cache[key] = self._build(
-                in_tree, specs, dict(static_args), dict(static_kwargs), len(args)
+                in_tree, specs, arrays, dict(static_args), dict(static_kwargs), len(args)
             )
-        return [x for x, is_traced in zip(flat, traced, strict=True) if is_traced], self._cache[key]
+        return arrays, self._cache[key]
 
-    def _build(self, in_tree, specs, static_args, static_kwargs, n_args):
+    def _build(self, in_tree, specs, arrays, static_args, static_kwargs, n_args):
         def flat_fun(*arrays):
             given = iter(arrays)
             flat = [next(given) if isinstance(s, jax.ShapeDtypeStruct) else s.value for s in specs]
@@ -134,7 +139,6 @@ class _Autocast:
             full = [static_args[i] if i in static_args else next(dyn) for i in range(n_args)]
             return self._fun(*full, **dyn_kwargs, **static_kwargs)
 
-        arrays = [s for s in specs if isinstance(s, jax.ShapeDtypeStruct)]
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
         out_tree = jax.tree.structure(out_shape)
         rules, cast_inputs = self._rules, self._cast_inputs

@@ -295,13 +295,13 @@ _PENDING = threading.local()
 def adding_bias_after() -> Iterator[Bias]:
     """Around one call of a layer given `promote_bias_after`: the layer adds a zero, and the
     bias it would have added is left in the yielded slot for `add_to`."""
-    stack = _PENDING.__dict__.setdefault("stack", [])
+    slots = _PENDING.__dict__.setdefault("slots", [])
     slot = Bias()
-    stack.append(slot)
+    slots.append(slot)
     try:
         yield slot
     finally:
-        stack.pop()
+        slots.pop()
 
 
 def promote_bias_after(*args: Any, dtype: Any = None, inexact: bool = True) -> list:
@@ -309,11 +309,11 @@ def promote_bias_after(*args: Any, dtype: Any = None, inexact: bool = True) -> l
     the bias goes to the caller's slot and the layer is given zeros in its place. Called
     outside such a slot, it is `promote_inputs_only` (the layer adds its float32 bias)."""
     values = promote_inputs_only(*args, dtype=dtype, inexact=inexact)
-    stack = getattr(_PENDING, "stack", None)
-    if dtype is None or not stack or stack[-1].value is not None:
+    slots = getattr(_PENDING, "slots", None)
+    if dtype is None or not slots or slots[-1].value is not None:
         return values
     if len(values) == 3 and values[2] is not None:
-        stack[-1].value = values[2]
+        slots[-1].value = values[2]
         values[2] = jnp.zeros(jnp.shape(values[2]), dtype)
     return values
 
