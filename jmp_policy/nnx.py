@@ -41,6 +41,7 @@ from jmp_policy.policy import (
     cast_floating,
     casting_policy,
     check_model_policy,
+    is_floating_array,
 )
 from jmp_policy.transform import find_loss_scaling_state, unless_skipped
 
@@ -135,7 +136,8 @@ def _subclass(cls: type, role: str) -> type:
                     cast, back_to = island
                     return _recomputed(self, base, cast, back_to, args, kwargs)
                 if out_dtype is None:
-                    out = base.__call__(self, *args, **kwargs)
+                    with _own_params_cast(self):
+                        out = base.__call__(self, *args, **kwargs)
                     if inputs is None and args:  # not an island itself
                         out = block_keeps_its_dtype(args[0], out, self._jmp_policy_compute)
                     return out
@@ -280,11 +282,22 @@ def mixed_precision(
         inputs = island if overridden and not recompute else None  # a recompute casts its own
         object.__setattr__(module, "_jmp_policy_inputs", inputs)
         object.__setattr__(module, "_jmp_policy_compute", island.compute_dtype)
+        # A module of the user's that multiplies its own Params (`x @ self.w + self.b`, as
+        # NNX's examples write layers) has no `dtype` to set: its Params are cast to the
+        # compute dtype for its call (`_own_params_cast`), as Linen's `self.param`s are.
+        own_params = not hasattr(module, "dtype") and any(
+            isinstance(v, nnx.Param) and is_floating_array(variable_value(v))
+            for v in vars(module).values()
+        )
+        half = resolved[path].compute_dtype.itemsize == 2  # float8's are left as they are
+        object.__setattr__(
+            module, "_jmp_policy_own_params", island.compute_dtype if own_params and half else None
+        )
         at_use = at_use or (
             reduce_dtype is not None
             and out_dtype is None
-            and hasattr(module, "promote_dtype")
-            and resolved[path].compute_dtype.itemsize == 2  # float8's are left as they are
+            and (hasattr(module, "promote_dtype") or own_params)
+            and half
         )
         # The scope continues the nearest scoped ancestor's: containers without a
         # `__call__` (nnx.List, nnx.Dict) open none, so their names go here.
@@ -304,6 +317,27 @@ def mixed_precision(
     object.__setattr__(model, "_jmp_policy_at_use", _AtUse() if at_use else None)
     model.__class__ = _subclass(type(model), "root")
     return model
+
+
+@contextlib.contextmanager
+def _own_params_cast(module: nnx.Module) -> Iterator[None]:
+    """During one call of `module`: its own floating Params hold their values cast to the
+    compute dtype (`_jmp_policy_own_params`); the stored values are put back after it. Under
+    `autocast.cast_at_use` (the model's call) a matmul on such a cast takes the float32 value
+    and casts inside (`jmp_policy.matmul`), so the weight's gradient is made in float32."""
+    dtype = getattr(module, "_jmp_policy_own_params", None)
+    own = [] if dtype is None else [
+        v for v in vars(module).values()
+        if isinstance(v, nnx.Param) and is_floating_array(variable_value(v))
+    ]
+    stored = [variable_value(v) for v in own]
+    for variable, value in zip(own, stored, strict=True):
+        set_variable_value(variable, cast_floating(value, dtype))
+    try:
+        yield
+    finally:
+        for variable, value in zip(own, stored, strict=True):
+            set_variable_value(variable, value)
 
 
 def _recomputed(

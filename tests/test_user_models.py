@@ -277,3 +277,69 @@ def test_nnx_keeps_integer_dtypes_names_paths_and_warns_once():
         "NNXModel/layers/1/head",
     ]
     assert report.counts["dot_general"] == {"float16": 2, "float32": 4}
+
+
+class OwnParamsLinen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w1 = self.param("w1", nn.initializers.lecun_normal(), (x.shape[-1], 32))
+        b1 = self.param("b1", nn.initializers.zeros, (32,))
+        w2 = self.param("w2", nn.initializers.lecun_normal(), (32, 4))
+        return nn.relu(x @ w1 + b1) @ w2
+
+
+class OwnParamsLinear(nnx.Module):  # as NNX's basics write a layer
+    def __init__(self, din, dout, rngs):
+        self.w1 = nnx.Param(jax.random.normal(rngs.params(), (din, dout)) / din**0.5)
+        self.b1 = nnx.Param(jnp.zeros((dout,)))
+
+    def __call__(self, x):
+        return x @ self.w1 + self.b1
+
+
+class OwnParamsNNX(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = OwnParamsLinear(8, 32, rngs)
+        self.out = OwnParamsLinear(32, 4, rngs)
+        self.scale = nnx.Param(jnp.ones((4, 4)))  # the root's own weight, used directly
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x))) @ self.scale
+
+
+def _own_params_loss(integration, policy):
+    """`(loss, grad_fn, weights, x)`."""
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    if integration == "linen":
+        model = jmp.linen.mixed_precision(OwnParamsLinen(), policy)
+        params = model.init(jax.random.key(1), x)["params"]
+        loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)  # noqa: E731
+        return loss, jax.value_and_grad, params, x
+    model = jmp.nnx.mixed_precision(OwnParamsNNX(nnx.Rngs(1)), policy)
+    return lambda m, x: jnp.mean(m(x) ** 2), nnx.value_and_grad, model, x
+
+
+@pytest.mark.parametrize("integration", ["linen", "nnx"])
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_models_own_weights_are_cast_at_their_use(integration, policy):
+    """`x @ self.w + self.b` on the model's own weights (a Linen `self.param`, an NNX
+    module's `nnx.Param`s) runs in the compute dtype, with no PrecisionWarning; the weights
+    stay float32, their gradients are made in float32, and the values are float32's."""
+    loss_fn, grad_fn, weights, x = _own_params_loss(integration, policy)
+    step = grad_fn(loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jmp.PrecisionWarning)
+        loss, grads = jax.jit(step)(weights, x)
+        # XLA:CPU has no bfloat16 matmul with a float32 result: on this machine a weight
+        # gradient's operands are widened (`jmp_policy.matmul`), so bfloat16's forward pass.
+        report = jmp.precision_report(step if policy == "mixed_float16" else loss_fn, weights, x)
+    assert report.half_matmul_flop_share >= 0.99, report.counts
+    n_matmuls = (2 if integration == "linen" else 3) * (3 if policy == "mixed_float16" else 1)
+    assert report.counts["dot_general"] == {policy[6:]: n_matmuls}
+    ref_loss, _, ref_weights, _ = _own_params_loss(integration, jmp.get_policy("float32"))
+    reference = ref_loss(ref_weights, x)  # the same initial weights
+    np.testing.assert_allclose(float(loss), float(reference), rtol=2e-2)
+    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param) if integration == "nnx" else grads)
+    assert leaves and all(g.dtype == jnp.float32 for g in leaves)
+    if integration == "nnx":  # the stored weights are float32 after the call
+        assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(nnx.state(weights, nnx.Param)))
