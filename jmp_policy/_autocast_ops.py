@@ -324,6 +324,23 @@ def _keeping_half(eqn: Any, invals: list, keep: frozenset, half: np.dtype) -> li
     return op(*invals)
 
 
+def _half_among(values: Iterable) -> np.dtype | None:
+    """The 16-bit floating dtype among `values` (None if there is none)."""
+    for x in values:
+        if _is_float(x) and jnp.finfo(x.dtype).bits == 16:
+            return np.dtype(x.dtype)
+    return None
+
+
+def _adding_in_float32(eqn: Any, invals: list) -> list:
+    """`eqn` (a gather: `Rule.adds_in_transpose`) on its floating operands cast to float32,
+    its result cast back: the same values (a gather rounds nothing), and the backward pass's
+    sum of the cotangents (the gather's transpose, a scatter-add) made in float32. It is
+    linear: nothing of its operands is kept for the backward pass."""
+    outs = _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+    return [_cast(o, invals[0].dtype) for o in outs]
+
+
 def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> list:
     rules, name = ev.rules, eqn.primitive.name
     if (
@@ -390,7 +407,11 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
     rule = _jaxpr.rule_of(eqn)
     elementwise = rule is not None and rule.elementwise
     shape = eqn.outvars[0].aval.shape if rules.reduce and elementwise else None
-    outs = _bind(eqn, [_meeting(ev, x, target, shape) for x in invals])
+    met = [_meeting(ev, x, target, shape) for x in invals]
+    if rule is not None and rule.adds_in_transpose and _half_among(met) is not None:
+        outs = _adding_in_float32(eqn, met)
+    else:
+        outs = _bind(eqn, met)
     ev.record(outs, kind)
     return outs
 

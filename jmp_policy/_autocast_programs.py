@@ -20,11 +20,13 @@ from jmp_policy._autocast_ops import (
     _FLOAT32,
     _LAX_MATMULS,
     _REGION_NAMES,
+    _adding_in_float32,
     _bind,
     _cast,
     _cast_like_avals,
     _eval_by_rules,
     _Evaluation,
+    _half_among,
     _in_float32,
     _is_float,
     _source_context,
@@ -116,7 +118,10 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
     Either way the forward values are the same, and the gradient is summed across devices
     in float32."""
     rule = _jaxpr.rule_of(eqn)
-    moved = ev.downcast(invals[0]) if rule is not None and rule.layout and invals else None
+    # A weight's cast moved (reshaped, or its rows gathered: an embedding): the float32
+    # weight moved, then cast.
+    moves = rule is not None and (rule.layout or rule.adds_in_transpose)
+    moved = ev.downcast(invals[0]) if moves and invals else None
     if moved is not None:
         half, weight = moved
         (wide,) = _bind(eqn, [weight, *invals[1:]])
@@ -149,6 +154,15 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
             with _source_context(eqn):
                 out = mixed(op, compute, preferred if wider else None, lhs, rhs)
             return [_cast(out, eqn.outvars[0].aval.dtype)]
+    half = _half_among(invals)
+    if half is not None and rule is not None and rule.runs_in == _jaxpr.FLOAT32:
+        # The float32 list, in the model's own code too (a segment sum, exp, log, a
+        # cumulative sum): computed in float32 (a weight's cast from its float32 weight),
+        # handed back in the dtype it was traced with.
+        wide = [x if (found := ev.downcast(x)) is None else found[1] for x in invals]
+        return _cast_like_avals(_in_float32(ev, eqn, wide, half), _avals(eqn.outvars))
+    if half is not None and rule is not None and rule.adds_in_transpose:
+        return _adding_in_float32(eqn, invals)
     outs = _bind(eqn, invals)
     if (
         eqn.primitive is _jaxpr.CONVERT

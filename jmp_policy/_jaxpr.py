@@ -142,12 +142,27 @@ def source_context(eqn: Any) -> contextlib.AbstractContextManager:
 def bind(eqn: Any, invals: Sequence[Any], **param_updates: Any) -> list:
     """`eqn` bound on `invals` as `jax.core.eval_jaxpr` binds it (its parameters updated by
     `param_updates`): its name stack kept, so a rewritten program still says which module
-    each operation belongs to, and its context (`eqn.ctx`) entered."""
+    each operation belongs to, and its context (`eqn.ctx`) entered. A scatter given operands
+    of another dtype than traced goes through its lax function, which builds the combining
+    function (`update_jaxpr`) for their dtype."""
     subfuns, params = bind_params(eqn.primitive, {**eqn.params, **param_updates})
     ctx = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
     with source_context(eqn), ctx:
+        scatter = _LAX_SCATTERS.get(eqn.primitive.name)
+        if scatter is not None and invals[0].dtype != eqn.invars[0].aval.dtype:
+            kept = {k: v for k, v in params.items() if k not in ("update_jaxpr", "update_consts")}
+            return [scatter(*invals, **kept)]
         outs = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+_LAX_SCATTERS: dict[str, Callable[..., Any]] = {
+    "scatter": lax.scatter,
+    "scatter-add": lax.scatter_add,
+    "scatter-mul": lax.scatter_mul,
+    "scatter-min": lax.scatter_min,
+    "scatter-max": lax.scatter_max,
+}
 
 
 def read_literal(literal: Any) -> Any:
@@ -236,6 +251,9 @@ class Rule:
     an accumulator: a result computed from activations is a statistic.
     `layout`: it moves every value without dropping or combining any, so a cast commutes
     with it.
+    `adds_in_transpose`: its backward pass adds many cotangents into one value (a gather's
+    transpose is a scatter-add: every edge a graph's hub sends adds into the hub), so that
+    sum is made in float32.
     """
 
     runs_in: str
@@ -243,6 +261,7 @@ class Rule:
     linear: bool = False
     reduction: bool = False
     layout: bool = False
+    adds_in_transpose: bool = False
 
 
 _ELEMENTWISE = Rule(OPERANDS, elementwise=True)
@@ -284,12 +303,15 @@ _TABLE_BY_NAME: dict[str, Rule] = {
     ),
     **dict.fromkeys("broadcast_in_dim reshape transpose squeeze".split(), _LAYOUT),
     **dict.fromkeys(
-        "slice dynamic_slice dynamic_update_slice gather concatenate stack pad rev split scatter "
+        "slice dynamic_slice dynamic_update_slice concatenate stack pad rev split scatter "
         "stop_gradient select_and_gather_add".split(),
         _LINEAR,
     ),
+    "gather": Rule(OPERANDS, linear=True, adds_in_transpose=True),
+    # segment sums (`jax.ops.segment_sum`, jraph's aggregations) and `.at[].add`
+    "scatter-add": Rule(FLOAT32, linear=True, reduction=True),
     **dict.fromkeys(
-        "scatter-add reduce_window_sum select_and_scatter_add".split(),
+        "reduce_window_sum select_and_scatter_add".split(),
         Rule(OPERANDS, linear=True, reduction=True),
     ),
     "scatter-mul": Rule(OPERANDS, reduction=True),

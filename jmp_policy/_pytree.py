@@ -103,6 +103,38 @@ def signature(tree: Any) -> Any:
     return treedef, tuple(described)
 
 
+def nnx_graphdefs(args: Sequence[Any]) -> dict[int, Any]:
+    """`{position: nnx.GraphDef}` of the NNX modules among `args` (none without Flax)."""
+    nnx = getattr(sys.modules.get("flax"), "nnx", None)  # never loads Flax
+    if nnx is None:
+        return {}
+    return {i: nnx.graphdef(a) for i, a in enumerate(args) if isinstance(a, nnx.Module)}
+
+
+def written_back(fun: Callable[..., Any], graphdefs: dict[int, Any]) -> Callable[..., Any]:
+    """`fun` on the states of the NNX modules at `graphdefs`' positions (`nnx.split`), merged
+    back inside: it returns `(fun's output, the modules' states as the call left them)`, for
+    the caller to write back (`write_back`), as `nnx.jit` does: a module that writes a
+    variable when called (BatchNorm's statistics, Dropout's RNG counts, a counter) keeps
+    what it wrote."""
+    from flax import nnx
+
+    def stateful(*args: Any, **kwargs: Any) -> tuple[Any, tuple]:
+        merged = [nnx.merge(graphdefs[i], a) if i in graphdefs else a for i, a in enumerate(args)]
+        out = fun(*merged, **kwargs)
+        return out, tuple(nnx.state(merged[i]) for i in sorted(graphdefs))
+
+    return stateful
+
+
+def write_back(args: Sequence[Any], graphdefs: dict[int, Any], states: Sequence[Any]) -> None:
+    """Updates the NNX modules among `args` with the states `written_back` returned."""
+    from flax import nnx
+
+    for i, state in zip(sorted(graphdefs), states, strict=True):
+        nnx.update(args[i], state)
+
+
 def pure_nnx(args: tuple) -> tuple[tuple, Callable[[Sequence[Any]], tuple]]:
     """`args` with each NNX module replaced by its state (`nnx.split`, outside any trace),
     and a function that merges them back (`nnx.merge`, inside the trace): a module that

@@ -47,7 +47,7 @@ from jmp_policy._autocast_ops import ALLOW as ALLOW  # the op lists, exported he
 from jmp_policy._autocast_ops import DENY as DENY
 from jmp_policy._autocast_ops import NO_HALF_KERNEL as NO_HALF_KERNEL
 from jmp_policy._autocast_programs import _eval_closed
-from jmp_policy._pytree import is_traced_leaf
+from jmp_policy._pytree import is_traced_leaf, nnx_graphdefs, write_back, written_back
 from jmp_policy.fp8 import (
     FORMATS,
     FP8_EXCLUDE,
@@ -100,7 +100,10 @@ class _Autocast:
         self._region_name = region_name
         self._cache: dict = {}
 
-    def _program(self, args, kwargs):
+    def _program(self, args, kwargs, graphdefs=None):
+        """`(traced leaves, (region, out_tree, closed jaxpr))` of a call; with `graphdefs`
+        (`_pytree.nnx_graphdefs`), of `fun` on those NNX modules' states, also returning
+        their states as the call left them."""
         static_args = tuple((i, args[i]) for i in self._static_argnums if i < len(args))
         static_kwargs = tuple(sorted((k, kwargs[k]) for k in self._static_argnames if k in kwargs))
         dyn_args = [a for i, a in enumerate(args) if i not in self._static_argnums]
@@ -123,21 +126,23 @@ class _Autocast:
         varying = tuple(getattr(jax.typeof(x), "vma", None) for x in arrays)
         # Traced again while the debugger names NNX/Equinox modules (`_naming`): a program
         # built before has no module paths in its name stacks.
-        key = (in_tree, specs, varying, static_args, static_kwargs, _naming.active())
+        nnx_key = None if graphdefs is None else tuple(graphdefs.items())
+        key = (in_tree, specs, varying, static_args, static_kwargs, _naming.active(), nnx_key)
         if key not in self._cache:
+            fun = self._fun if graphdefs is None else written_back(self._fun, graphdefs)
             self._cache[key] = self._build(
-                in_tree, specs, arrays, dict(static_args), dict(static_kwargs), len(args)
+                fun, in_tree, specs, arrays, dict(static_args), dict(static_kwargs), len(args)
             )
         return arrays, self._cache[key]
 
-    def _build(self, in_tree, specs, arrays, static_args, static_kwargs, n_args):
+    def _build(self, fun, in_tree, specs, arrays, static_args, static_kwargs, n_args):
         def flat_fun(*arrays):
             given = iter(arrays)
             flat = [next(given) if isinstance(s, jax.ShapeDtypeStruct) else s.value for s in specs]
             dyn_args, dyn_kwargs = jax.tree.unflatten(in_tree, flat)
             dyn = iter(dyn_args)
             full = [static_args[i] if i in static_args else next(dyn) for i in range(n_args)]
-            return self._fun(*full, **dyn_kwargs, **static_kwargs)
+            return fun(*full, **dyn_kwargs, **static_kwargs)
 
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
         out_tree = jax.tree.structure(out_shape)
@@ -152,7 +157,7 @@ class _Autocast:
             if cast_inputs:
                 flat = [_cast(x, rules.compute) for x in flat]
             ev = _Evaluation(rules)
-            for weight in flat[:n_weights]:
+            for weight in flat[:n_weights] if rules.reduce else ():
                 ev.add_weight(weight)
             try:
                 outs = _eval_closed(closed, list(flat), ev)
@@ -166,8 +171,19 @@ class _Autocast:
         return jax.jit(region), out_tree, closed
 
     def __call__(self, *args, **kwargs):
-        flat, (region, out_tree, _) = self._program(args, kwargs)
-        return jax.tree.unflatten(out_tree, region(*flat))
+        graphdefs = nnx_graphdefs(args)
+        if not graphdefs:
+            flat, (region, out_tree, _) = self._program(args, kwargs)
+            return jax.tree.unflatten(out_tree, region(*flat))
+        # NNX modules go in as their states and come back written (BatchNorm's statistics,
+        # Dropout's RNG counts), as under `nnx.jit`.
+        from flax import nnx
+
+        pure = tuple(nnx.state(a) if i in graphdefs else a for i, a in enumerate(args))
+        flat, (region, out_tree, _) = self._program(pure, kwargs, graphdefs)
+        out, states = jax.tree.unflatten(out_tree, region(*flat))
+        write_back(args, graphdefs, states)
+        return out
 
     def traced_program(self, *args, **kwargs):
         """The program as traced, before casts (for reports and debugging)."""
@@ -327,7 +343,7 @@ def autocast(
     )
 
 
-def cast_at_use(fun: Callable) -> Callable:
+def cast_at_use(fun: Callable, *, weights_in_float32: bool = True) -> Callable:
     """`fun(weights, *args, **kwargs)` as written, except that each matmul or conv
     (`dot_general`, `conv_general_dilated`) on a float32 leaf of `weights` cast to 16 bits
     takes the float32 leaf and casts it inside the op (`jmp_policy.matmul.mixed`): the
@@ -338,8 +354,17 @@ def cast_at_use(fun: Callable) -> Callable:
     has no matmul to take over (`nn.Einsum`, `nn.ConvTranspose`, your own
     `x @ self.param(...)`; `nnx.ConvTranspose`). A weight, or its cast, is followed into
     `scan` bodies (one layer of stacked weights at a time) and `jax.checkpoint` bodies, not
-    into `cond` branches or `while` loops."""
-    rules = _Rules(_FLOAT32, _FLOAT32, frozenset(), frozenset(), reduce=True, at_use=True)
+    into `cond` branches or `while` loops.
+
+    The float32 list applies to the program's own operations as autocast's does: an
+    operation on the list (`_jaxpr.FLOAT32`: a segment sum or other scatter-add, exp, log,
+    powers, a cumulative sum) computes in float32 from 16-bit operands and hands its result
+    back in the dtype it was traced with; a gather of 16-bit values adds its backward pass
+    (a scatter-add) in float32. `weights_in_float32=False` (a policy's `reduce_dtype=None`):
+    only that; the weights' casts are left as they are."""
+    rules = _Rules(
+        _FLOAT32, _FLOAT32, frozenset(), frozenset(), reduce=weights_in_float32, at_use=True
+    )
     return _Autocast(fun, rules, (), (), cast_inputs=False, region_name=_CAST_AT_USE)
 
 

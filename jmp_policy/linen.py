@@ -333,14 +333,15 @@ class MixedPrecisionModule:
         parameters are cast inside the program where each is used, so a matmul on one takes
         it in float32 and its gradient is made and summed in float32. None where none does.
         """
-        if not self._casts_own_weights(paths, variables):
+        if not self._in_half(paths):
             return None
         program = (key, repr(mutable))  # `mutable` may be a list
         if program not in self._at_use:
             self._at_use[program] = cast_at_use_program(
                 lambda params, rest, args, kwargs: self._mixed_run(
                     paths, method, mutable, {**rest, "params": params}, args, kwargs
-                )
+                ),
+                weights_in_float32=self._casts_own_weights(paths, variables),
             )
         return self._at_use[program]
 
@@ -352,6 +353,13 @@ class MixedPrecisionModule:
         return self._run(
             lambda: self.module.apply(variables, *args, method=method, mutable=mutable, **kwargs)
         )
+
+    def _in_half(self, paths: Paths) -> bool:
+        """Whether a module computes in 16 bits: then the model runs under
+        `autocast.cast_at_use`, which also keeps the float32 list in the model's own code.
+        (A float8 policy's layers are left as they are: `fp8_dot_for`.)"""
+        policies = [self.policy, *paths.policies.values()]
+        return any(p.compute_dtype.itemsize == 2 for p in policies)
 
     def _casts_own_weights(self, paths: Paths, variables) -> bool:
         if self.reduce_dtype is None or "params" not in variables:
@@ -380,7 +388,7 @@ class MixedPrecisionModule:
             for path, leaf in leaves
             if keys_of(path)[:-1] in ran.policies
         )
-        return self._casts_own_weights(paths, variables), targets
+        return self._in_half(paths), self._casts_own_weights(paths, variables), targets
 
 
 @contextlib.contextmanager

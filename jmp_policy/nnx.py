@@ -61,8 +61,9 @@ class _Once:
 class _AtUse:
     """The model's `autocast.cast_at_use` programs, one per graph (a static attribute)."""
 
-    def __init__(self):
+    def __init__(self, weights_in_float32: bool):
         self.programs: dict[Any, Any] = {}
+        self.weights_in_float32 = weights_in_float32
 
     def call(self, model, scoped, args, kwargs, check: bool = False):
         """`scoped(model, *args, **kwargs)` with each weight cast where it is used, and the
@@ -70,7 +71,9 @@ class _AtUse:
         the program (traced once, the call's) checked for float32 matmuls first."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if graphdef not in self.programs:
-            self.programs[graphdef] = cast_at_use(_functional(graphdef, scoped))
+            self.programs[graphdef] = cast_at_use(
+                _functional(graphdef, scoped), weights_in_float32=self.weights_in_float32
+            )
         program = self.programs[graphdef]
         if check:
             _check(program.traced_program(params, rest, args, kwargs))
@@ -252,7 +255,8 @@ def mixed_precision(
     }
     resolved: dict[tuple[str, ...], Policy] = {}
     scoped: set[tuple[str, ...]] = {()}  # modules whose calls open a name scope
-    at_use = False  # a 16-bit layer that casts its own weights, its matmul not taken over
+    at_use = False  # a module computes in 16 bits: the float32 list in the model's own code
+    weights_at_use = False  # a 16-bit layer casts its own weights, its matmul not taken over
     for path in sorted(modules, key=len):  # parents before children
         module = modules[path]
         parent = max((p for p in resolved if path[: len(p)] == p), key=len, default=())
@@ -293,12 +297,13 @@ def mixed_precision(
         object.__setattr__(
             module, "_jmp_policy_own_params", island.compute_dtype if own_params and half else None
         )
-        at_use = at_use or (
+        weights_at_use = weights_at_use or (
             reduce_dtype is not None
             and out_dtype is None
             and (hasattr(module, "promote_dtype") or own_params)
             and half
         )
+        at_use = at_use or half
         # The scope continues the nearest scoped ancestor's: containers without a
         # `__call__` (nnx.List, nnx.Dict) open none, so their names go here.
         above = max((p for p in scoped if path[: len(p)] == p), key=len)
@@ -312,9 +317,11 @@ def mixed_precision(
     rules.warn_unmatched()
     object.__setattr__(model, "_jmp_policy_root", casting_policy(resolved[()]))
     object.__setattr__(model, "_jmp_policy_checked", _Once())
-    # nnx.ConvTranspose and other layers without a matmul hook: the model runs under
-    # `autocast.cast_at_use`, so their weights' gradients are made in float32 too.
-    object.__setattr__(model, "_jmp_policy_at_use", _AtUse() if at_use else None)
+    # The model runs under `autocast.cast_at_use`: the float32 list holds in its own code
+    # (segment sums, exp, log: `_jaxpr.FLOAT32`), and the weights of nnx.ConvTranspose and
+    # other layers without a matmul hook have their gradients made in float32 too.
+    at_use_program = _AtUse(weights_at_use) if at_use else None
+    object.__setattr__(model, "_jmp_policy_at_use", at_use_program)
     model.__class__ = _subclass(type(model), "root")
     return model
 

@@ -315,3 +315,31 @@ def test_every_positional_argument_static():
     assert f(3).dtype == jnp.float32 and float(f(3)[0, 0]) == 6.0
     report = jmp.precision_report(f, 3)
     assert report.counts["dot_general"] == {"float16": 1}
+
+
+def test_nnx_modules_keep_what_they_write_under_autocast():
+    """An NNX module passed to an autocast function keeps the variables it writes (BatchNorm's
+    statistics, Dropout's RNG count, a counter of its own), eagerly and under `nnx.jit` +
+    `nnx.value_and_grad`, as it would without autocast: before, each call started from the
+    same state (the same dropout mask every step, statistics never updated)."""
+    import flax_examples as ex
+    from flax import nnx
+
+    batch = {"x": jnp.linspace(0, 1, 16)[:, None], "y": jnp.linspace(0, 1, 16)[:, None] ** 2}
+    plain, mixed = ex.ToyMLP(1, 8, 1, rngs=nnx.Rngs(0)), ex.ToyMLP(1, 8, 1, rngs=nnx.Rngs(0))
+    loss = jmp.autocast(ex._toy_loss, "mixed_float16")
+    expected = [float(ex._toy_loss(plain, batch)) for _ in range(3)]
+    got = [float(loss(mixed, batch)) for _ in range(3)]
+    np.testing.assert_allclose(got, expected, rtol=1e-2)
+    assert len(set(got)) == 3  # a new dropout mask each call
+
+    step = nnx.jit(lambda m, b: nnx.value_and_grad(loss)(m, b)[0])
+    before = float(mixed.bn.mean[...][0])
+    step(mixed, batch)
+    step(mixed, batch)
+    assert int(mixed.count[...]) == int(plain.count[...]) + 2 == 5
+    assert float(mixed.bn.mean[...][0]) != before
+    plain_step = nnx.jit(lambda m, b: nnx.value_and_grad(ex._toy_loss)(m, b)[0])
+    plain_step(plain, batch)
+    plain_step(plain, batch)
+    np.testing.assert_allclose(mixed.bn.mean[...], plain.bn.mean[...], rtol=1e-2, atol=1e-3)

@@ -192,12 +192,15 @@ def test_linen_under_nn_scan_casts_each_layer_inside_the_loop():
     x = jnp.ones((2, 32))
     mixed = jmp.linen.mixed_precision(Stack(), "mixed_float16")
     params = mixed.init(jax.random.key(0), x)["params"]
-    jaxpr = jax.make_jaxpr(lambda p: mixed.apply({"params": p}, x))(params)
+    jaxpr = jax.make_jaxpr(lambda p: mixed.apply({"params": p}, x))(params).jaxpr
+    # The model runs in its `cast_at_use` region (the float32 list in its own code).
+    (region,) = [e for e in jaxpr.eqns if e.primitive.name == "jit"]
+    body = region.params["jaxpr"].jaxpr
     # No half copy of the stacked (6, 32, 32) kernel is made before the loop: each layer's
     # kernel is cast where it is used, inside the scan.
-    outer = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    outer = [e for e in body.eqns if e.primitive.name == "convert_element_type"]
     assert not [e for e in outer if e.invars[0].aval.shape[:1] == (6,)], outer
-    assert "scan" in {e.primitive.name for e in jaxpr.jaxpr.eqns}
+    assert "scan" in {e.primitive.name for e in body.eqns}
 
 
 def _collectives(devices, *flags):
