@@ -32,7 +32,6 @@ from jmp_policy._autocast_ops import (
     _source_context,
     _widest,
 )
-from jmp_policy._compat import jaxprs_in_params
 from jmp_policy.activations import (
     WEIGHT,
     combined,
@@ -90,7 +89,7 @@ def _eval_equation(ev: _Evaluation, eqn: Any, invals: list) -> list:
             "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
             "function instead (shard_map(autocast(f, policy), ...))."
         )
-    if list(jaxprs_in_params(eqn.params)) or _jaxpr.is_callback(eqn):
+    if _jaxpr.sub_programs(eqn) or _jaxpr.is_callback(eqn):
         return _as_traced(ev, eqn, invals)  # typed callbacks and opaque sub-programs stay exact
     floating = [i for i, x in enumerate(invals) if _is_float(x)]
     if not floating:

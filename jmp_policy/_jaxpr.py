@@ -156,6 +156,14 @@ def bind(eqn: Any, invals: Sequence[Any], **param_updates: Any) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
+def sub_programs(eqn: Any) -> list:
+    """The programs an equation runs (a `jit`'s, a `scan`'s body, a `cond`'s branches), not a
+    scatter's combining function (`update_jaxpr`): that is part of the scatter itself."""
+    if eqn.primitive.name in _LAX_SCATTERS:
+        return []
+    return list(jaxprs_in_params(eqn.params))
+
+
 _LAX_SCATTERS: dict[str, Callable[..., Any]] = {
     "scatter": lax.scatter,
     "scatter-add": lax.scatter_add,
@@ -220,7 +228,7 @@ def walk(program: Any, times: int = 1, outer: Any | None = None) -> Iterator[tup
         eqn = within(eqn, outer)
         yield eqn, times
         inner = times * eqn.params["length"] if eqn.primitive is SCAN else times
-        for sub in jaxprs_in_params(eqn.params):
+        for sub in sub_programs(eqn):
             yield from walk(sub, inner, eqn)
 
 

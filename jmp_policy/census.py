@@ -25,7 +25,6 @@ from jax.core import eval_jaxpr
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy import _jaxpr, _naming
-from jmp_policy._compat import jaxprs_in_params
 from jmp_policy._pytree import pure_nnx, split_traced
 from jmp_policy.block_scaled import SCOPE
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
@@ -222,7 +221,7 @@ def report_of_jaxpr(
     totals: dict = collections.defaultdict(lambda: [0, 0])
     misaligned, half_flops, fp8_flops, all_flops, not_fp8 = [], 0, 0, 0, []
     for eqn, times in _jaxpr.walk(jaxpr):
-        if list(jaxprs_in_params(eqn.params)):
+        if _jaxpr.sub_programs(eqn):
             continue  # a container (jit, scan, ...): its body is counted instead
         dtype = compute_dtype(eqn)
         if dtype is None:
@@ -289,7 +288,7 @@ def float32_matmuls(
     for eqn in jaxpr.eqns:
         stack = "/".join(p for p in (where, str(eqn.source_info.name_stack)) if p)
         region = in_region or eqn.params.get("name") == _REGION
-        for sub in jaxprs_in_params(eqn.params):
+        for sub in _jaxpr.sub_programs(eqn):
             yield from float32_matmuls(sub, stack, region)
         if not _jaxpr.is_matmul(eqn) or compute_dtype(eqn) != np.float32:
             continue
