@@ -113,7 +113,7 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
     - a shape-only operation runs on the float32 weight and is cast after it, and an
       elementwise one that broadcasts the weight (a bias added to a batch) gets it
       broadcast in float32 first, so the sum over the batch that is its gradient runs in
-      float32.
+      float32 (a 16-bit activation broadcast over size-1 axes too).
     Either way the forward values are the same, and the gradient is summed across devices
     in float32."""
     rule = _jaxpr.rule_of(eqn)
@@ -131,10 +131,17 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         shape = eqn.outvars[0].aval.shape
 
         def broadcast(x: Any) -> Any:
-            found = ev.downcast(x)
-            if found is None or np.shape(x) == shape or np.ndim(x) != len(shape):
+            if not _is_float(x) or np.shape(x) == shape or np.ndim(x) != len(shape):
                 return x
-            return _cast(jnp.broadcast_to(found[1], shape), x.dtype)
+            found = ev.downcast(x)
+            if found is not None:
+                return _cast(jnp.broadcast_to(found[1], shape), x.dtype)
+            if jnp.finfo(x.dtype).bits == 16:
+                # A 16-bit value broadcast over size-1 axes (`x - logsumexp(x)` in the model's
+                # own code): broadcast in float32, so its gradient, a sum over those axes,
+                # is summed in float32. The same values forward.
+                return _cast(jnp.broadcast_to(_cast(x, _FLOAT32), shape), x.dtype)
+            return x
 
         invals = [broadcast(x) for x in invals]
     if eqn.primitive in _LAX_MATMULS:

@@ -1,0 +1,97 @@
+"""The float32 list holds in a model's own code under every integration: `log_softmax`,
+`logsumexp`, a sum over thousands of values and segment sums written between layers (inside
+`vmap` and `scan` too) compute in float32, read from the traced program of the training step
+(forward and backward), while the matmuls stay in half precision."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_policy as jmp
+from jmp_policy.census import compute_dtype, iter_equations, report_of_jaxpr
+
+eqx = pytest.importorskip("equinox")
+
+INTEGRATIONS = ("linen.mixed_precision", "nnx.mixed_precision", "eqx.mixed_precision", "autocast")
+FLOAT32_LIST = ("exp", "log", "reduce_sum", "scatter-add")
+
+
+def _head(h, segments):
+    """What a model writes after its last layer: a policy head's log-probabilities, a
+    normaliser, a sum over 4,096 values, per-segment sums (inside `vmap`), a running sum
+    over steps (`scan`)."""
+    logp = jax.nn.log_softmax(h, axis=-1)
+    normaliser = jax.nn.logsumexp(h, axis=-1)
+    total = jnp.sum(h * h) / h.size
+    per_row = jax.vmap(lambda row: jax.ops.segment_sum(row, segments, 8))(h)
+
+    def running(carry, row):
+        return carry + jax.ops.segment_sum(row, segments, 8), None
+
+    scanned, _ = jax.lax.scan(running, jnp.zeros(8, h.dtype), h)
+    return jnp.mean(logp) + jnp.mean(normaliser) + total + jnp.mean(per_row) + jnp.mean(scanned)
+
+
+class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x, segments):
+        return _head(nn.Dense(4096)(x), segments)
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(16, 4096, rngs=rngs)
+
+    def __call__(self, x, segments):
+        return _head(self.dense(x), segments)
+
+
+def _eqx_model():
+    class EqxModel(eqx.Module):
+        dense: eqx.nn.Linear
+
+        def __call__(self, x, segments):
+            return _head(jax.vmap(self.dense)(x), segments)
+
+    return EqxModel(eqx.nn.Linear(16, 4096, key=jax.random.key(0)))
+
+
+def _loss(integration, policy):
+    """`(loss(weights, x, segments), weights)` under `integration`."""
+    if integration in ("linen.mixed_precision", "autocast"):
+        module = LinenModel()
+        x, segments = jnp.ones((4, 16)), jnp.arange(4096) % 8
+        params = module.init(jax.random.key(0), x, segments)["params"]
+        if integration == "autocast":
+            return jmp.autocast(lambda p, x, s: module.apply({"params": p}, x, s), policy), params
+        mixed = jmp.linen.mixed_precision(module, policy)
+        return (lambda p, x, s: mixed.apply({"params": p}, x, s)), params
+    if integration == "nnx.mixed_precision":
+        model = jmp.nnx.mixed_precision(NnxModel(nnx.Rngs(0)), policy)
+        graphdef, state = nnx.split(model)
+        return (lambda st, x, s: nnx.merge(graphdef, st)(x, s)), state
+    model = jmp.eqx.mixed_precision(_eqx_model(), policy)
+    weights, static = eqx.partition(model, eqx.is_inexact_array)
+    return (lambda w, x, s: eqx.combine(w, static)(x, s)), weights
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("integration", INTEGRATIONS)
+def test_the_models_own_log_softmax_sums_and_segment_sums_run_in_float32(integration, policy):
+    loss, weights = _loss(integration, jmp.get_policy(policy))
+    x, segments = jnp.ones((4, 16)), jnp.arange(4096) % 8
+    program = jax.make_jaxpr(jax.value_and_grad(loss))(weights, x, segments)
+    by_op: dict[str, set] = {}
+    for eqn in iter_equations(program):
+        dtype = compute_dtype(eqn)
+        if dtype is not None:
+            by_op.setdefault(eqn.primitive.name, set()).add(np.dtype(dtype).name)
+    for op in FLOAT32_LIST:
+        assert by_op.get(op) == {"float32"}, (op, by_op.get(op))
+    # (the forward pass's: XLA:CPU widens a bfloat16 weight gradient's matmul, `matmul.py`)
+    assert report_of_jaxpr(jax.make_jaxpr(loss)(weights, x, segments)).half_matmul_flop_share == 1
