@@ -14,6 +14,11 @@ Equinox example's transformer.
     python benchmarks/bench_memory.py            # GPTs of 4 blocks, d 64, 8 x 128 tokens
     python benchmarks/bench_memory.py --large    # also a GPT of 16 blocks, 32 x 256 tokens
     python benchmarks/bench_memory.py --quick    # one block, 2 x 32 tokens (smoke test)
+    python benchmarks/bench_memory.py --step-time 5   # also each row's gradient step time
+
+With `--step-time`, run it under another revision's package too (`git worktree add /tmp/old
+REV`, then `PYTHONPATH=/tmp/old python benchmarks/bench_memory.py --step-time 5`): the ratios
+to Flax's own `dtype=` model, each measured in its own run, compare the revisions.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import jmp_policy as jmp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import interleaved_medians  # noqa: E402
 from equinox_transformer import CharLM  # noqa: E402
 from models import CNN, GPT, MLP, NNXGPT, residual_bytes  # noqa: E402
 
@@ -68,7 +75,36 @@ def _row(model, how, fun, args) -> dict:
         "by_dtype": by_dtype,
         "temp": temp,
         "arguments": arguments,
+        "grad": (jax.jit(jax.grad(fun)), args),
     }
+
+
+def step_times(rows: list[dict], rounds: int) -> dict:
+    """The median time of each row's compiled gradient, interleaved over `rounds` rounds
+    within each model's rows, as a ratio to the same model written with Flax's own `dtype=`
+    in the same policy's half dtype (the float32 row: to float32 itself). NaN where XLA:CPU
+    cannot compile the row."""
+    times = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        group = {r["how"]: r["grad"] for r in rows if r["model"] == model}
+        runnable = {}
+        for how, (fn, args) in group.items():
+            try:
+                jax.block_until_ready(fn(*args))
+                runnable[how] = fn
+            except ValueError as error:
+                if "F16_F16_F32" not in str(error):
+                    raise
+        medians = interleaved_medians(runnable, {h: group[h][1] for h in runnable}, rounds, 5)
+        for how in group:
+            times[(model, how)] = medians.get(how, float("nan"))
+    ratios = {}
+    for (model, how), seconds in times.items():
+        half = next((d for d in ("bfloat16", "float16") if d in how), None)
+        base = f"Flax's own dtype={half}" if half else "float32"
+        reference = times.get((model, base), float("nan"))
+        ratios[(model, how)] = (seconds, seconds / reference)
+    return ratios
 
 
 def _linen_model(name, size, dtype=None):
@@ -171,11 +207,12 @@ def equinox_rows(size) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], steps: dict | None = None) -> str:
     mib = 2.0**20
     lines = [
-        "| model | how | residuals (MiB) | by dtype (MiB) | vs float32 | XLA temp (MiB) | XLA arguments (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| model | how | residuals (MiB) | by dtype (MiB) | vs float32 | XLA temp (MiB) | XLA arguments (MiB) |"
+        + (" step ms | step vs Flax dtype= |" if steps else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if steps else ""),
     ]
     base = {}
     for row in rows:
@@ -185,10 +222,14 @@ def table(rows: list[dict]) -> str:
             f"{k} {v / mib:.2f}" for k, v in sorted(row["by_dtype"].items()) if v >= 0.005 * mib
         )
         ratio = row["residuals"] / base[row["model"]]
-        lines.append(
+        line = (
             f"| {row['model']} | {row['how']} | {row['residuals'] / mib:.2f} | {dtypes} | "
             f"{ratio:.2f}x | {row['temp'] / mib:.2f} | {row['arguments'] / mib:.2f} |"
         )
+        if steps:
+            seconds, against = steps[(row["model"], row["how"])]
+            line += f" {seconds * 1e3:.2f} | {against:.2f}x |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -207,8 +248,17 @@ def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument("--large", action="store_true", help="also a GPT of 16 blocks, 32 x 256")
+    parser.add_argument(
+        "--step-time",
+        type=int,
+        metavar="ROUNDS",
+        help="also time each row's compiled gradient (interleaved rounds), as a ratio to the "
+        "same model with Flax's own dtype= (XLA:CPU: half precision is emulated, so compare "
+        "ratios between revisions, not against float32)",
+    )
     args = parser.parse_args(argv)
-    text = table(measure(args.quick, args.large))
+    rows = measure(args.quick, args.large)
+    text = table(rows, step_times(rows, args.step_time) if args.step_time else None)
     print(text)
     return text
 
