@@ -289,10 +289,7 @@ def mixed_precision(
         # A module of the user's that multiplies its own Params (`x @ self.w + self.b`, as
         # NNX's examples write layers) has no `dtype` to set: its Params are cast to the
         # compute dtype for its call (`_own_params_cast`), as Linen's `self.param`s are.
-        own_params = not hasattr(module, "dtype") and any(
-            isinstance(v, nnx.Param) and is_floating_array(variable_value(v))
-            for v in vars(module).values()
-        )
+        own_params = not hasattr(module, "dtype") and bool(_own_floating_params(module))
         half = resolved[path].compute_dtype.itemsize == 2  # float8's are left as they are
         object.__setattr__(
             module, "_jmp_policy_own_params", island.compute_dtype if own_params and half else None
@@ -333,10 +330,10 @@ def _own_params_cast(module: nnx.Module) -> Iterator[None]:
     `autocast.cast_at_use` (the model's call) a matmul on such a cast takes the float32 value
     and casts inside (`jmp_policy.matmul`), so the weight's gradient is made in float32."""
     dtype = getattr(module, "_jmp_policy_own_params", None)
-    own = [] if dtype is None else [
-        v for v in vars(module).values()
-        if isinstance(v, nnx.Param) and is_floating_array(variable_value(v))
-    ]
+    if dtype is None:
+        yield
+        return
+    own = _own_floating_params(module)
     stored = [variable_value(v) for v in own]
     for variable, value in zip(own, stored, strict=True):
         set_variable_value(variable, cast_floating(value, dtype))
@@ -345,6 +342,15 @@ def _own_params_cast(module: nnx.Module) -> Iterator[None]:
     finally:
         for variable, value in zip(own, stored, strict=True):
             set_variable_value(variable, value)
+
+
+def _own_floating_params(module: nnx.Module) -> list:
+    """The floating `nnx.Param`s a module holds itself (not its submodules')."""
+    return [
+        v
+        for v in vars(module).values()
+        if isinstance(v, nnx.Param) and is_floating_array(variable_value(v))
+    ]
 
 
 def _recomputed(

@@ -6,7 +6,7 @@ layers. Batches hold a star graph (2,000 leaves sending into one hub) beside sma
 the hub's sum adds 2,000 messages, which 16 bits cannot hold.
 
 - `LinenGraphNet`: jraph's GraphNetwork in Linen: edge update from (edge, sender, receiver),
-  node update from the summed incoming edges (LayerNorm after it), a per-graph sum read out.
+  node update from the summed incoming edges (LayerNorm after it), a per-graph mean read out.
 - `LinenGCN`: jraph's GraphConvolution in Linen: degree-normalised sums of neighbours.
 - `NnxGraphNet`: the GraphNetwork in NNX.
 - `EqxGCN`: the GraphConvolution in Equinox.
@@ -46,11 +46,13 @@ def _structure():
 
 def graph_batches(key, steps):
     """Node features with a positive mean (the hub's sum grows with its in-degree), edge
-    features, and a label per graph: is its mean first feature above its mean second?"""
+    features, and a label per graph: is its mean first feature above its mean second? (Each
+    graph's first feature is shifted by its own random amount, so the label is learnable.)"""
     senders, receivers, node_graph = _structure()
     k1, k2, k3 = jax.random.split(key, 3)
     nodes = 1.0 + jax.random.normal(k1, (steps, N_NODES, FEATURES))
-    nodes = nodes.at[:, :, 0].add(jax.random.normal(k3, (steps, 1, 1))[..., 0] * 0.3)
+    shift = 0.5 * jax.random.normal(k3, (steps, N_GRAPHS))
+    nodes = nodes.at[:, :, 0].add(shift[:, node_graph])
     edges = jax.random.normal(k2, (steps, senders.shape[0], 2))
     sums = jax.vmap(lambda n: jax.ops.segment_sum(n, node_graph, N_GRAPHS))(nodes)
     labels = (sums[..., 0] > sums[..., 1]).astype(jnp.int32)
@@ -80,14 +82,15 @@ class LinenGraphNet(nn.Module):
     def __call__(self, batch):
         nodes, edges = batch["nodes"], batch["edges"]
         senders, receivers = batch["senders"], batch["receivers"]
-        for i in range(2):
+        for _ in range(2):
             edges = _mlp(self.hidden)(
                 jnp.concatenate([edges, nodes[senders], nodes[receivers]], axis=-1)
             )
             incoming = jax.ops.segment_sum(edges, receivers, N_NODES)
             nodes = nn.LayerNorm()(_mlp(self.hidden)(jnp.concatenate([nodes, incoming], -1)))
-        pooled = jax.ops.segment_sum(nodes, batch["node_graph"], N_GRAPHS)
-        return nn.Dense(2, name="readout")(pooled / 100.0)
+        counts = jax.ops.segment_sum(jnp.ones(N_NODES), batch["node_graph"], N_GRAPHS)
+        pooled = jax.ops.segment_sum(nodes, batch["node_graph"], N_GRAPHS) / counts[:, None]
+        return nn.Dense(2, name="readout")(pooled)
 
 
 class LinenGCN(nn.Module):
@@ -130,11 +133,15 @@ class NnxGraphNet(nnx.Module):
     def __call__(self, batch):
         nodes, edges = batch["nodes"], batch["edges"]
         senders, receivers = batch["senders"], batch["receivers"]
-        for edge_mlp, node_mlp, norm in zip(self.edge_mlps, self.node_mlps, self.norms, strict=True):
+        for edge_mlp, node_mlp, norm in zip(
+            self.edge_mlps, self.node_mlps, self.norms, strict=True
+        ):
             edges = edge_mlp(jnp.concatenate([edges, nodes[senders], nodes[receivers]], -1))
             incoming = jax.ops.segment_sum(edges, receivers, N_NODES)
             nodes = norm(node_mlp(jnp.concatenate([nodes, incoming], axis=-1)))
-        return self.readout(jax.ops.segment_sum(nodes, batch["node_graph"], N_GRAPHS) / 100.0)
+        counts = jax.ops.segment_sum(jnp.ones(N_NODES), batch["node_graph"], N_GRAPHS)
+        pooled = jax.ops.segment_sum(nodes, batch["node_graph"], N_GRAPHS) / counts[:, None]
+        return self.readout(pooled)
 
 
 def make_eqx_gcn(key, hidden=16):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 
+import flax_examples as ex  # noqa: E402  (after jax: conftest's XLA flags)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +27,6 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_policy as jmp
 from jmp_policy.census import report_of_jaxpr
-
-import flax_examples as ex  # noqa: E402  (after jax: conftest's XLA flags)
 
 pytestmark = pytest.mark.standard_promotion  # user code: optax's Adam mixes float and int
 
@@ -110,15 +109,20 @@ class _NnxTrainer(_Trainer):
         return jmp.find_loss_scaling_state(self.carry[1])
 
 
+def _rngs(seed):
+    """The RNG streams the Linen examples draw from at `init`."""
+    names = ("params", "dropout", "noise")
+    return dict(zip(names, jax.random.split(jax.random.key(seed), len(names)), strict=True))
+
+
 def _linen(task_name, integration, policy, seed, perturb):
     task = ex.LINEN_TASKS[task_name]
-    data = task.batches(jax.random.key(seed + 1), 200)
+    data = task.batches(jax.random.key(seed + 1), task.steps)
     first = jax.tree.map(lambda a: a[0], data)
     apply = task.module.apply
     if policy != "float32" and integration == "linen.mixed_precision":
         apply = jmp.linen.mixed_precision(task.module, jmp.get_policy(policy)).apply
-    rngs = dict(zip(("params", "dropout", "noise"), jax.random.split(jax.random.key(seed), 3)))
-    variables = task.module.init(rngs, *task.example(first))
+    variables = task.module.init(_rngs(seed), *task.example(first))
     params = _perturbed(variables.pop("params"), seed, perturb)
 
     def loss_fn(params, state, batch, rng, gain):
@@ -150,7 +154,7 @@ def _linen(task_name, integration, policy, seed, perturb):
 
 def _nnx(task_name, integration, policy, seed, perturb):
     task = ex.NNX_TASKS[task_name]
-    data = task.batches(jax.random.key(seed + 1), 200)
+    data = task.batches(jax.random.key(seed + 1), task.steps)
     model = task.make(seed)
     if perturb:
         nnx.update(model, _perturbed(nnx.state(model, nnx.Param), seed, perturb))
@@ -241,7 +245,7 @@ def test_the_debugger_names_the_example_layers(task):
     if task in ex.LINEN_TASKS:
         spec = ex.LINEN_TASKS[task]
         variables = spec.module.init(
-            dict(zip(("params", "dropout", "noise"), jax.random.split(jax.random.key(0), 3))),
+            _rngs(0),
             *spec.example(data),
         )
         rng = jax.random.key(2)
@@ -259,7 +263,6 @@ def test_the_debugger_names_the_example_layers(task):
 
 # --- slow lane: parity with float32 ---------------------------------------------------------
 
-STEPS = 150
 TOLERANCE = {"mixed_float16": 0.02, "mixed_bfloat16": 0.05}
 
 
@@ -267,7 +270,7 @@ TOLERANCE = {"mixed_float16": 0.02, "mixed_bfloat16": 0.05}
 def _final_loss(task, integration, policy, seed, perturb=0.0):
     trainer, data = _setup(task, integration, policy, seed, perturb)
     rng, losses = jax.random.key(seed + 3), []
-    for i in range(STEPS):
+    for i in range((ex.LINEN_TASKS.get(task) or ex.NNX_TASKS[task]).steps):
         rng, sub = jax.random.split(rng)
         losses.append(float(trainer.step(_batch(data, i), sub)))
     return float(np.mean(losses[-20:]))

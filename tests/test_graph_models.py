@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import graph_models as gm
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,6 @@ import optax
 import pytest
 from flax import nnx
 
-import graph_models as gm
 import jmp_policy as jmp
 from jmp_policy.census import iter_equations
 
@@ -94,8 +94,11 @@ def test_segment_sums_accumulate_in_float32(name, integration, policy):
     forward, weights = _model(name, integration, policy)
     batch = _batch(_data(), 0)
     program = jax.make_jaxpr(jax.grad(_loss(forward)))(weights, batch)
-    sums = [str(e.outvars[0].aval.dtype) for e in iter_equations(program)]
-    sums = [d for e, d in zip(iter_equations(program), sums) if e.primitive.name == "scatter-add"]
+    sums = [
+        str(e.outvars[0].aval.dtype)
+        for e in iter_equations(program)
+        if e.primitive.name == "scatter-add"
+    ]
     # forward: 2 (GraphNet) or 3 (GCN) segment sums a layer and the readout's; backward: the
     # gathers' (`nodes[senders]`) transposes
     assert len(sums) >= 5 and set(sums) == {"float32"}, sums
