@@ -82,8 +82,9 @@ def _row(model, how, fun, args) -> dict:
 def step_times(rows: list[dict], rounds: int) -> dict:
     """The median time of each row's compiled gradient, interleaved over `rounds` rounds
     within each model's rows, as a ratio to the same model written with Flax's own `dtype=`
-    in the same policy's half dtype (the float32 row: to float32 itself). NaN where XLA:CPU
-    cannot compile the row."""
+    in the same policy's half dtype (Equinox's: under MPX's `cast_to_half_precision`; the
+    float32 row: to float32 itself). NaN where XLA:CPU cannot compile the row or its
+    baseline."""
     times = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         group = {r["how"]: r["grad"] for r in rows if r["model"] == model}
@@ -101,7 +102,8 @@ def step_times(rows: list[dict], rounds: int) -> dict:
     ratios = {}
     for (model, how), seconds in times.items():
         half = next((d for d in ("bfloat16", "float16") if d in how), None)
-        base = f"Flax's own dtype={half}" if half else "float32"
+        bases = [f"Flax's own dtype={half}", f"MPX cast_to_half_precision {half}"]
+        base = next((b for b in bases if (model, b) in times), None) if half else "float32"
         reference = times.get((model, base), float("nan"))
         ratios[(model, how)] = (seconds, seconds / reference)
     return ratios
