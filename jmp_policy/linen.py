@@ -357,9 +357,9 @@ class MixedPrecisionModule:
     def _in_half(self, paths: Paths) -> bool:
         """Whether a module computes in 16 bits: then the model runs under
         `autocast.cast_at_use`, which also keeps the float32 list in the model's own code.
-        (A float8 policy's layers are left as they are: `fp8_dot_for`.)"""
+        (A float8 policy computes in bfloat16 besides its float8 matmuls: `fp8_dot_for`.)"""
         policies = [self.policy, *paths.policies.values()]
-        return any(p.compute_dtype.itemsize == 2 for p in policies)
+        return any(casting_policy(p).compute_dtype.itemsize == 2 for p in policies)
 
     def _casts_own_weights(self, paths: Paths, variables) -> bool:
         if self.reduce_dtype is None or "params" not in variables:

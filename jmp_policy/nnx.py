@@ -300,7 +300,7 @@ def mixed_precision(
             and (hasattr(module, "promote_dtype") or own_params)
             and half
         )
-        at_use = at_use or half
+        at_use = at_use or island.compute_dtype.itemsize == 2  # float8's compute in bfloat16
         # The scope continues the nearest scoped ancestor's: containers without a
         # `__call__` (nnx.List, nnx.Dict) open none, so their names go here.
         above = max((p for p in scoped if path[: len(p)] == p), key=len)
