@@ -78,6 +78,7 @@ class Run:
     step_ms: float = float("nan")
     half_share: float = 0.0
     fp8_share: float = 0.0
+    cpu_widened: int = 0  # float32 matmuls only because XLA:CPU has no bf16 x bf16 -> f32 dot
     skipped: int = 0
     final_scale: float = 1.0
 
@@ -179,6 +180,7 @@ def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
     report = jmp.precision_report(lambda p: jax.grad(loss_fn)(p, x, x), params)
     run.half_share = report.half_matmul_flop_share
     run.fp8_share = report.fp8_matmul_flop_share
+    run.cpu_widened = sum("XLA:CPU" in why for _, _, why, _ in report.float32_matmuls)
     bar = tqdm(range(args.steps), desc=f"{policy_name:>15}", disable=args.quiet, ncols=110)
     history = []
     start = None
@@ -312,6 +314,12 @@ def conclusion(runs) -> str:
         gap = 100 * (r.val_loss / base.val_loss - 1)
         skips = f", skipping {r.skipped} overflowing steps" if r.skipped else ""
         parts.append(f"{r.policy} ended {gap:+.1f}% from float32's validation loss{skips}")
+        if r.cpu_widened:
+            parts.append(
+                f"{r.policy}'s {r.cpu_widened} float32 matmuls are weight gradients this CPU "
+                "cannot run as bfloat16 x bfloat16 -> float32 (jmp_policy.matmul widens their "
+                "operands here); a GPU or TPU runs them in bfloat16"
+            )
     speed = ", ".join(f"{r.policy} {r.step_ms:.0f} ms" for r in runs)
     backend = jax.default_backend()
     if backend == "cpu":

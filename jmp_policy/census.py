@@ -28,6 +28,7 @@ from jmp_policy import _jaxpr, _naming
 from jmp_policy._pytree import pure_nnx, split_traced
 from jmp_policy.block_scaled import SCOPE
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
+from jmp_policy.matmul import CPU_WIDENED
 from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 
 MATMULS = _jaxpr.matmul_names()
@@ -309,6 +310,12 @@ def _why_float32(eqn: JaxprEqn, producers: dict, inputs: set) -> str:
         made = producers.get(var)
         if made is not None and made.primitive is _jaxpr.CONVERT:
             source = getattr(_aval(made.invars[0]), "dtype", None)
+            if CPU_WIDENED in str(made.source_info.name_stack).split("/"):
+                return (
+                    "XLA:CPU has no bfloat16 x bfloat16 -> float32 matmul, so on this CPU "
+                    "`jmp_policy.matmul` widens its bfloat16 operands (exactly); on a GPU or "
+                    "TPU it runs in bfloat16 with a float32 result"
+                )
             if source in _HALF_DTYPES:
                 return (
                     f"an operand is cast from {jnp.dtype(source).name} to float32 in the "

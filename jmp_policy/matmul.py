@@ -66,6 +66,11 @@ def _eval_with_output(closed: Any, out_dtype: np.dtype | None, *args: Any) -> li
     return _jaxpr.evaluate_closed(closed, args, rule)
 
 
+CPU_WIDENED = "xla_cpu_widened_bfloat16"
+"""The name scope of the casts `_runnable` makes: `precision_report` says why such a matmul is
+float32 (this machine's XLA), not that the model's code cast its operand."""
+
+
 def _runnable(operands: list, out_dtype: np.dtype | None) -> list:
     """XLA:CPU compiles, but cannot run, a bfloat16 x bfloat16 -> float32 matmul: there the
     operands are widened first (exactly: bfloat16 products are exact in float32), so the
@@ -75,7 +80,8 @@ def _runnable(operands: list, out_dtype: np.dtype | None) -> list:
         and any(getattr(x, "dtype", None) == jnp.bfloat16 for x in operands)
         and jax.default_backend() == "cpu"
     ):
-        return [_cast(x, np.dtype(np.float32)) for x in operands]
+        with jax.named_scope(CPU_WIDENED):
+            return [_cast(x, np.dtype(np.float32)) for x in operands]
     return operands
 
 
