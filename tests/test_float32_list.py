@@ -1,5 +1,5 @@
 """The float32 list holds in a model's own code under every integration: `log_softmax`,
-`logsumexp`, a sum over thousands of values and segment sums written between layers (inside
+`softmax`, `logsumexp`, a sum over thousands of values and segment sums written between layers (inside
 `vmap` and `scan` too) compute in float32, read from the traced program of the training step
 (forward and backward), while the matmuls stay in half precision."""
 
@@ -22,10 +22,10 @@ FLOAT32_LIST = ("exp", "log", "reduce_sum", "scatter-add")
 
 
 def _head(h, segments):
-    """What a model writes after its last layer: a policy head's log-probabilities, a
-    normaliser, a sum over 4,096 values, per-segment sums (inside `vmap`), a running sum
+    """What a model writes after its last layer: a policy head's log-probabilities and
+    probabilities, a normaliser, a sum over 4,096 values, per-segment sums (inside `vmap`), a running sum
     over steps (`scan`)."""
-    logp = jax.nn.log_softmax(h, axis=-1)
+    logp = jax.nn.log_softmax(h, axis=-1) + jax.nn.softmax(h, axis=-1)
     normaliser = jax.nn.logsumexp(h, axis=-1)
     total = jnp.sum(h * h) / h.size
     per_row = jax.vmap(lambda row: jax.ops.segment_sum(row, segments, 8))(h)
