@@ -1,7 +1,7 @@
 """The float32 list holds in a model's own code under every integration: `log_softmax`,
-`softmax`, `logsumexp`, a sum over thousands of values and segment sums written between layers (inside
-`vmap` and `scan` too) compute in float32, read from the traced program of the training step
-(forward and backward), while the matmuls stay in half precision."""
+`softmax`, `logsumexp`, a sum over thousands of values and segment sums written between
+layers (inside `vmap` and `scan` too) compute in float32, read from the traced program of the
+training step (forward and backward), while the matmuls stay in half precision."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ FLOAT32_LIST = ("exp", "log", "reduce_sum", "scatter-add")
 
 def _head(h, segments):
     """What a model writes after its last layer: a policy head's log-probabilities and
-    probabilities, a normaliser, a sum over 4,096 values, per-segment sums (inside `vmap`), a running sum
-    over steps (`scan`)."""
+    probabilities, a normaliser, a sum over 4,096 values, per-segment sums (inside `vmap`), a
+    running sum over steps (`scan`)."""
     logp = jax.nn.log_softmax(h, axis=-1) + jax.nn.softmax(h, axis=-1)
     normaliser = jax.nn.logsumexp(h, axis=-1)
     total = jnp.sum(h * h) / h.size
