@@ -245,15 +245,31 @@ def plot(runs, out):
     out.mkdir(parents=True, exist_ok=True)
     fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     reference = next((r for r in runs if r.policy == "float32"), None)
-    for run in runs:
-        ax.plot(smoothed(run.losses), label=f"{run.policy} (val {run.val_loss:.4f})")
-        if reference is not None:
-            gap = smoothed(np.asarray(run.losses) - np.asarray(reference.losses))
-            diff.plot(gap, label=run.policy)
+    # The curves lie on top of each other: each precision has its own dash and markers, and
+    # float32's wide line is drawn under them, so every one shows.
+    styles = [("-", None), ("--", "o"), (":", "s"), ("-.", "^"), ((0, (5, 1, 1, 1)), "D")]
+    for i, run in enumerate(runs):
+        dash, marker = styles[i % len(styles)]
+        wide = run is reference
+        curve = smoothed(run.losses)
+        every = max(1, len(curve) // 12)
+        common = dict(linestyle=dash, marker=marker, markevery=every, markersize=4, color=f"C{i}")
+        ax.plot(
+            curve,
+            label=f"{run.policy} (val {run.val_loss:.4f})",
+            linewidth=3.0 if wide else 1.2,
+            alpha=0.45 if wide else 1.0,
+            **common,
+        )
+        if reference is not None and not wide:
+            losses, base = np.asarray(run.losses), np.asarray(reference.losses)
+            diff.plot(smoothed(100 * (losses - base) / base), label=run.policy, **common)
     ax.set(ylabel="train loss (10-step mean)", title="Same model, same seed, three precisions")
     ax.legend()
     diff.axhline(0.0, color="grey", linewidth=0.5)
-    diff.set(xlabel="step", ylabel="minus float32's loss")
+    diff.set(xlabel="step", ylabel="vs float32's loss (%)")
+    if len(diff.get_lines()) > 1:
+        diff.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "loss_curves.png", dpi=120)
     plt.close(fig)

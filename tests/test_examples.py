@@ -1,6 +1,7 @@
 """Examples and benchmarks run in a fast mode, so they cannot rot."""
 
 import importlib.util
+import os
 import pathlib
 import shutil
 import sys
@@ -296,3 +297,32 @@ def test_gpu_benchmark_exits_cleanly_without_gpu(capsys):
         pytest.skip("a GPU is present")
     assert load("benchmarks/gpu_transformer.py").main([]) is None
     assert "No GPU here" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_readme_quotes_the_demos_own_figures(tmp_path):
+    """README's accuracy table quotes the demo as a user runs it (`python examples/demo.py`:
+    300 steps, three policies, XLA's default code generation, not the suite's faster flags,
+    which round some sums differently): the validation losses it prints are README's."""
+    import re
+    import subprocess
+
+    readme = (ROOT / "README.md").read_text()
+    f16, f32 = re.search(r"validation (\d\.\d{4}) against (\d\.\d{4})", readme).groups()
+    bf16_row = r"`mixed_bfloat16` against float32 \| demo: [+-]\S+ \((\d\.\d{4})\)"
+    bf16 = re.search(bf16_row, readme)[1]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
+    }
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "demo.py"), "--quiet", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The summary table: policy, train loss, val loss, ...
+    printed = dict(re.findall(r"^(\S+)\s+\d\.\d{4}\s+(\d\.\d{4})\s", out.stdout, re.M))
+    assert set(printed) == {"float32", "mixed_float16", "mixed_bfloat16"}, out.stdout[-2000:]
+    # Within 2e-4: a last digit XLA may round differently on another CPU, not a drift.
+    quoted = {"float32": f32, "mixed_float16": f16, "mixed_bfloat16": bf16}
+    for policy, value in printed.items():
+        assert abs(float(value) - float(quoted[policy])) <= 2e-4, (policy, value, quoted)
