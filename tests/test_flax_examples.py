@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from parity import assert_matches_float32, perturbed  # noqa: E402
 
 import jmp_policy as jmp
 from jmp_policy.census import report_of_jaxpr
@@ -38,22 +39,6 @@ TASKS = [(t, i) for t in ex.LINEN_TASKS for i in ("linen.mixed_precision", "auto
 
 def _scale(policy: str, initial: float = 2.0**15):
     return jmp.DynamicLossScale(initial) if policy == "mixed_float16" else jmp.NoOpLossScale()
-
-
-def _perturbed(tree, seed, perturb):
-    """float32's own noise: every floating leaf moved by a relative `perturb`."""
-    if not perturb:
-        return tree
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(jax.random.key(seed + 100), len(leaves))
-    return treedef.unflatten(
-        [
-            w * (1 + perturb * jax.random.normal(k, w.shape, w.dtype))
-            if jnp.issubdtype(w.dtype, jnp.floating)
-            else w
-            for w, k in zip(leaves, keys, strict=True)
-        ]
-    )
 
 
 class _Trainer:
@@ -123,7 +108,7 @@ def _linen(task_name, integration, policy, seed, perturb):
     if policy != "float32" and integration == "linen.mixed_precision":
         apply = jmp.linen.mixed_precision(task.module, jmp.get_policy(policy)).apply
     variables = task.module.init(_rngs(seed), *task.example(first))
-    params = _perturbed(variables.pop("params"), seed, perturb)
+    params = perturbed(variables.pop("params"), seed, perturb)
 
     def loss_fn(params, state, batch, rng, gain):
         value, new_state = task.loss(apply, {"params": params, **state}, batch, rng)
@@ -157,7 +142,7 @@ def _nnx(task_name, integration, policy, seed, perturb):
     data = task.batches(jax.random.key(seed + 1), task.steps)
     model = task.make(seed)
     if perturb:
-        nnx.update(model, _perturbed(nnx.state(model, nnx.Param), seed, perturb))
+        nnx.update(model, perturbed(nnx.state(model, nnx.Param), seed, perturb))
     if policy != "float32" and integration == "nnx.mixed_precision":
         model = jmp.nnx.mixed_precision(model, jmp.get_policy(policy))
     loss_fn = task.loss
@@ -282,12 +267,4 @@ def _final_loss(task, integration, policy, seed, perturb=0.0):
 def test_example_final_loss_matches_float32(task, integration, policy):
     """Within 2% (float16) / 5% (bfloat16) of float32's final loss, or, where float32 itself
     moves more under a 2^-11 perturbation of its initial weights, within that noise."""
-    for seed in (0, 1):
-        reference = _final_loss(task, "-", "float32", seed)
-        noise = abs(_final_loss(task, "-", "float32", seed, 2.0**-11) - reference) / reference
-        got = _final_loss(task, integration, policy, seed)
-        off = abs(got - reference) / reference
-        assert off <= max(TOLERANCE[policy], noise), (
-            f"{task} {integration} {policy} seed {seed}: {got:.4f} against float32's "
-            f"{reference:.4f} ({off:+.2%}; float32's own noise {noise:.2%})"
-        )
+    assert_matches_float32(_final_loss, task, integration, policy, TOLERANCE[policy])

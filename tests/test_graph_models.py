@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from parity import assert_matches_float32, perturbed
 
 import jmp_policy as jmp
 from jmp_policy.census import iter_equations
@@ -117,25 +118,10 @@ LEARNING_RATE = 1e-3  # stable: at 1e-2 float32 itself moves 5-19% under a 2^-11
 TOLERANCE = 0.02
 
 
-def _perturbed(weights, seed, perturb):
-    """float32's own noise: every floating leaf moved by a relative `perturb`."""
-    leaves, treedef = jax.tree.flatten(weights)
-    keys = jax.random.split(jax.random.key(seed + 100), len(leaves))
-    return treedef.unflatten(
-        [
-            w * (1 + perturb * jax.random.normal(k, w.shape, w.dtype))
-            if jnp.issubdtype(w.dtype, jnp.floating)
-            else w
-            for w, k in zip(leaves, keys, strict=True)
-        ]
-    )
-
-
 @functools.cache
 def _final_loss(name, integration, policy, seed, perturb=0.0):
     forward, weights = _model(name, integration, policy, seed)
-    if perturb:
-        weights = _perturbed(weights, seed, perturb)
+    weights = perturbed(weights, seed, perturb)
     half = policy == "mixed_float16"
     tx = jmp.loss_scaling(
         optax.adam(LEARNING_RATE), jmp.DynamicLossScale(2.0**15) if half else jmp.NoOpLossScale()
@@ -161,12 +147,4 @@ def _final_loss(name, integration, policy, seed, perturb=0.0):
 def test_graph_network_trains_within_2_percent_of_float32(name, integration, policy):
     """Within 2% of float32's final loss, or, where float32 itself moves more under a 2^-11
     perturbation of its initial weights, within that noise."""
-    for seed in (0, 1):
-        reference = _final_loss(name, "-", "float32", seed)
-        noise = abs(_final_loss(name, "-", "float32", seed, 2.0**-11) - reference) / reference
-        got = _final_loss(name, integration, policy, seed)
-        off = abs(got - reference) / reference
-        assert off <= max(TOLERANCE, noise), (
-            f"{name} {integration} {policy} seed {seed}: {got:.4f} against float32's "
-            f"{reference:.4f} ({off:+.2%}; float32's own noise {noise:.2%})"
-        )
+    assert_matches_float32(_final_loss, name, integration, policy, TOLERANCE)
