@@ -5,13 +5,14 @@ quotients, and a matmul's operands (`jmp_policy.matmul`, float8)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jmp_policy import _jaxpr
 from jmp_policy.activations import (
@@ -125,20 +126,41 @@ _bind = _jaxpr.bind
 _source_context = _jaxpr.source_context
 
 
+RESIDUAL = "jmp_autocast_residual"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of what an autocast region keeps for the
+backward pass: the outputs of the equations `_jaxpr.kept_for_backward` names (matmuls, ...)
+and the half-precision operands of its matmuls. The region is `jax.checkpoint`ed to save
+only these (`REGION_POLICY`): everything else, its float32 islands first, is computed again
+from them in the backward pass, so no island keeps a float32 activation."""
+REGION_POLICY = jax.checkpoint_policies.save_only_these_names(RESIDUAL)
+
+
 class _Records:
     """What one evaluation has learned of its values (see `_Evaluation`)."""
 
     def __init__(self) -> None:
         self.kinds: dict[int, tuple[Any, str]] = {}
-        self.half_copies: dict[int, tuple[Any, Any]] = {}
+        self.operands: dict[int, tuple[Any, Any]] = {}
         self.weights: dict[int, Any] = {}
         self.downcasts: dict[int, tuple[Any, Any]] = {}
         self.open = True
 
     def close(self) -> None:
         self.open = False
-        for record in (self.kinds, self.half_copies, self.weights, self.downcasts):
+        for record in (self.kinds, self.operands, self.weights, self.downcasts):
             record.clear()
+
+
+def _saved_by(policy: Any) -> Callable[[Any], bool]:
+    """Which equations' outputs a `jax.checkpoint` of the user's, with `policy`, saves."""
+
+    def saves(eqn: Any) -> bool:
+        if policy is None:
+            return False
+        avals = [v.aval for v in eqn.invars]
+        return policy(eqn.primitive, *avals, **eqn.params) is True
+
+    return saves
 
 
 class _Evaluation:
@@ -147,9 +169,8 @@ class _Evaluation:
 
     - `kinds`: the kind (`jmp_policy.activations`) of the float32 values computed so far
       (values not recorded are weights, or activations by dtype);
-    - `half_copies`: the half-precision copy a float32 island value was kept as for the
-      backward pass: a matmul that takes the value in half precision takes that copy, so
-      the backward pass keeps one;
+    - `operands`: the half-precision operand a matmul took for a value, kept for the
+      backward pass (`RESIDUAL`): every matmul that takes the value takes that one;
     - `weights` and `downcasts` (`cast_at_use`): the weights, and each 16-bit cast of a
       weight with the float32 weight it came from.
 
@@ -157,15 +178,66 @@ class _Evaluation:
     itself: an id is never reused while it is recorded, and a lookup checks identity. Once
     the region is traced (`close`) nothing more is recorded or found, so a derivative rule
     JAX traces later reads values by their dtype alone.
+
+    `keeps` (None where the region is not `jax.checkpoint`ed: `cast_at_use`, float32):
+    whose outputs are named `RESIDUAL` (`_jaxpr.kept_for_backward`; inside the user's own
+    `jax.checkpoint`, what its policy saves, as `within_checkpoint` says).
     """
 
-    def __init__(self, rules: _Rules, records: _Records | None = None):
+    def __init__(
+        self,
+        rules: _Rules,
+        records: _Records | None = None,
+        keeps: Callable[[Any], bool] | None = None,
+    ):
         self.rules = rules
+        self.keeps = keeps
         self._records = _Records() if records is None else records
 
     def with_rules(self, rules: _Rules) -> _Evaluation:
         """The same evaluation (what it learned so far, and will) under other rules."""
-        return _Evaluation(rules, self._records)
+        return _Evaluation(rules, self._records, self.keeps)
+
+    def within_checkpoint(self, policy: Any) -> _Evaluation:
+        """The evaluation of the body of the user's `jax.checkpoint` with `policy`: the
+        region's own `jax.checkpoint` decides what the whole program saves (JAX applies the
+        outermost policy), so inside the body only what the user's policy saves is named."""
+        keeps = None if self.keeps is None else _saved_by(policy)
+        return _Evaluation(self.rules, self._records, keeps)
+
+    def naming_nothing(self) -> _Evaluation:
+        """The same evaluation naming nothing `RESIDUAL`: inside a custom derivative's
+        rewritten rules, whose tangents JAX transposes (a name has no transpose); the
+        custom function runs again in the backward pass where its outputs are needed."""
+        return _Evaluation(self.rules, self._records, None)
+
+    def kept(self, eqn: Any, outs: list) -> list:
+        """`eqn`'s outputs, named `RESIDUAL` where `keeps` says so."""
+        if self.keeps is None or not self.keeps(eqn):
+            return outs
+        return [_named(o) for o in outs]
+
+    def kept_value(self, x: Any) -> Any:
+        """`x` named `RESIDUAL` where the region chooses what is kept (not inside the
+        user's own checkpoint)."""
+        return _named(x) if self.keeps is _jaxpr.kept_for_backward else x
+
+    def operand(self, x: Any, half: np.dtype) -> Any:
+        """`x` as a matmul's operand in `half`: an activation's copy is kept for the backward
+        pass (`RESIDUAL`, one per value); a weight's is cast again there from the weight."""
+        if not _is_float(x):
+            return x
+        found = self._found(self._records.operands, x)
+        if found is not None and found.dtype == half:
+            return found
+        copy = _cast(x, half)
+        own_choice = self.keeps is _jaxpr.kept_for_backward  # not inside the user's checkpoint
+        if not own_choice or self.kind(x) == WEIGHT:
+            return copy
+        copy = _named(copy)
+        if self._records.open:
+            self._records.operands[id(x)] = (x, copy)
+        return copy
 
     def close(self) -> None:
         self._records.close()
@@ -193,14 +265,6 @@ class _Evaluation:
             if _is_float(o) and _is_float(i):
                 self.record([i], self.kind(o))
 
-    def half_of(self, x: Any, half: np.dtype) -> Any:
-        copy = self._found(self._records.half_copies, x)
-        return copy if copy is not None and copy.dtype == half else _cast(x, half)
-
-    def keep_half_copy(self, x: Any, copy: Any) -> None:
-        if self._records.open:
-            self._records.half_copies[id(x)] = (x, copy)
-
     def is_weight(self, x: Any) -> bool:
         return self._records.weights.get(id(x)) is x
 
@@ -216,6 +280,10 @@ class _Evaluation:
     def add_downcast(self, half: Any, weight: Any) -> None:
         if self._records.open:
             self._records.downcasts[id(half)] = (half, weight)
+
+
+def _named(x: Any) -> Any:
+    return checkpoint_name(x, RESIDUAL) if hasattr(x, "dtype") else x
 
 
 def _in_float32(ev: _Evaluation, eqn: Any, invals: list, half: np.dtype | None = None) -> list:
@@ -270,9 +338,7 @@ def _quotient_keeping_half(ev: _Evaluation, a: Any, b: Any, half: np.dtype, eqn:
         return _cast(ga, a_dtype), _cast(_sum_to(-ga * _cast(copy, _FLOAT32), b_shape), b_dtype)
 
     quotient.defvjp(forward, backward)
-    q, copy = quotient(a, b)
-    ev.keep_half_copy(q, copy)
-    return q
+    return quotient(a, b)[0]
 
 
 def _sum_to(x: Any, shape: tuple) -> Any:
@@ -349,7 +415,7 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
         and name in rules.allow
         and len(floating) == 2
     ):
-        lhs, rhs = invals
+        lhs, rhs = (ev.operand(x, x.dtype) for x in invals)
         dimension_numbers = eqn.params["dimension_numbers"]
         outer = _jaxpr.current_name_stack()
         where = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
@@ -368,7 +434,7 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
         # that is float32 here (an island's output) is cast first, so the matmul keeps its
         # half-precision copy for the backward pass, not the float32 one.
         lhs, rhs = (
-            x if rules.reduce and ev.kind(x) == WEIGHT else ev.half_of(x, rules.compute)
+            x if rules.reduce and ev.kind(x) == WEIGHT else ev.operand(x, rules.compute)
             for x in invals
         )
 
@@ -383,7 +449,7 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
             return [mixed(op, rules.compute, rules.accumulate, lhs, rhs)]
     if name in rules.allow:
         target = rules.compute
-        invals = [ev.half_of(x, target) for x in invals]
+        invals = [ev.operand(x, target) for x in invals]
         if (
             "preferred_element_type" in eqn.params
             and eqn.params["preferred_element_type"] is not None
@@ -392,8 +458,11 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
             # (GPUs accumulate half-precision matmuls in float32 regardless).
             return _bind(eqn, invals, preferred_element_type=target)
         return _bind(eqn, invals)
+    # Float32 islands: under the region's `jax.checkpoint` (`ev.keeps`) they are computed
+    # again in the backward pass from what it keeps, so nothing of theirs is kept.
+    island_half = None if ev.keeps is not None else rules.compute
     if name in rules.deny:
-        return _in_float32(ev, eqn, invals, rules.compute)
+        return _in_float32(ev, eqn, invals, island_half)
     strong = [i for i in floating if not getattr(eqn.invars[i].aval, "weak_type", False)]
     if not strong:
         outs = _bind(eqn, invals)
@@ -401,7 +470,7 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
         return outs
     target, kind = meet([invals[i].dtype for i in strong], [ev.kind(invals[i]) for i in strong])
     if target == _FLOAT32 and kind == ISLAND:  # an island computing on activations
-        return _in_float32(ev, eqn, invals, rules.compute)
+        return _in_float32(ev, eqn, invals, island_half)
     # Only an elementwise op broadcasts its operands to its output's shape (a concatenation
     # or a scatter does not).
     rule = _jaxpr.rule_of(eqn)

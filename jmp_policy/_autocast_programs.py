@@ -42,7 +42,10 @@ from jmp_policy.matmul import mixed
 
 
 def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ev: _Evaluation) -> list:
-    return _jaxpr.evaluate(jaxpr, consts, args, lambda eqn, invals: _eval_equation(ev, eqn, invals))
+    def rule(eqn: Any, invals: list) -> list:
+        return ev.kept(eqn, _eval_equation(ev, eqn, invals))
+
+    return _jaxpr.evaluate(jaxpr, consts, args, rule)
 
 
 def _eval_closed(closed: Any, args: list, ev: _Evaluation) -> list:
@@ -203,6 +206,7 @@ def _eval_custom_derivative(ev: _Evaluation, eqn: Any, invals: list) -> list:
     written on those residuals."""
     n_out = len(eqn.outvars)
     body = _jaxpr.inlined_body(eqn)  # the function's own program
+    ev = ev.naming_nothing()
 
     def original(*args: Any) -> list:
         return _bind(eqn, list(args))
@@ -278,7 +282,8 @@ def _eval_structural(ev: _Evaluation, eqn: Any, invals: list) -> list:
         with _source_context(eqn):
             return _eval_cond(ev, params, invals)
     # `jax.checkpoint` (`_jaxpr.REMAT`): an open jaxpr without consts.
-    body = functools.partial(_eval_jaxpr, params["jaxpr"], [], ev=ev)
+    inside = ev.within_checkpoint(params["policy"])
+    body = functools.partial(_eval_jaxpr, params["jaxpr"], [], ev=inside)
 
     wide = _wide_sources(ev, invals)
 
@@ -288,9 +293,13 @@ def _eval_structural(ev: _Evaluation, eqn: Any, invals: list) -> list:
         return body(inner)
 
     with _source_context(eqn):
-        return jax.checkpoint(rematted, prevent_cse=params["prevent_cse"], policy=params["policy"])(
+        outs = jax.checkpoint(rematted, prevent_cse=params["prevent_cse"], policy=params["policy"])(
             *invals, *[w for _, w in wide]
         )
+    # What the user's checkpoint hands out is kept, as the user's own checkpoint keeps the
+    # boundary of what it recomputes: otherwise the region's checkpoint computes the body
+    # once more to find it (nn.scan over nn.remat blocks: 16-25% slower on this CPU).
+    return [ev.kept_value(o) for o in outs]
 
 
 def _wide_sources(ev: _Evaluation, outer: list) -> list:
@@ -327,9 +336,15 @@ def _eval_scan(ev: _Evaluation, params: dict, invals: list) -> list:
     )
 
     wide = _wide_sources(ev, xs)
+    checkpointed_body = any(e.primitive is _jaxpr.REMAT for e in params["jaxpr"].jaxpr.eqns)
 
     def body(carry, x):
         x = _follow_weights(ev, xs, list(x), wide)
+        # The carry each step starts from is kept for the backward pass; without it the
+        # region's checkpoint runs the whole loop again to find it. A body that is the
+        # user's checkpoint (`nn.scan` over `nn.remat` blocks) keeps what that hands out.
+        if not checkpointed_body:
+            carry = [ev.kept_value(c) for c in carry]
         ev.inherit([*init, *xs], [*carry, *x])
         outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], ev)
         new_carry = [_cast(o, c.dtype) for o, c in zip(outs[:n_carry], carry, strict=True)]

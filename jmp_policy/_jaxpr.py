@@ -88,6 +88,9 @@ REMAT = _primitives.remat_p
 SCAN = _primitives.scan_p
 WHILE = _primitives.while_p
 COND = _primitives.cond_p
+CHECKPOINT_NAME = _primitives.name_p
+"""`jax.ad_checkpoint.checkpoint_name`: the identity, naming a value for `jax.checkpoint`'s
+policies (autocast names what its regions keep); readers look through it."""
 CUSTOM_JVP = _primitives.custom_jvp_call_p
 CUSTOM_VJP = _primitives.custom_vjp_call_p
 CUSTOM_DERIVATIVES = frozenset({CUSTOM_JVP, CUSTOM_VJP})
@@ -262,6 +265,9 @@ class Rule:
     `adds_in_transpose`: its backward pass adds many cotangents into one value (a gather's
     transpose is a scatter-add: every edge a graph's hub sends adds into the hub), so that
     sum is made in float32.
+    `kept`: its outputs are worth keeping for the backward pass rather than computing again
+    (matmuls, decompositions, sorts, collectives); what is not kept, autocast recomputes
+    from what is (`kept_for_backward`).
     """
 
     runs_in: str
@@ -270,6 +276,7 @@ class Rule:
     reduction: bool = False
     layout: bool = False
     adds_in_transpose: bool = False
+    kept: bool = False
 
 
 _ELEMENTWISE = Rule(OPERANDS, elementwise=True)
@@ -281,7 +288,9 @@ _FOLLOWS = Rule(OPERANDS)
 
 # One line per rule: primitive names as the installed JAX spells them.
 _TABLE_BY_NAME: dict[str, Rule] = {
-    **dict.fromkeys(["dot_general", "conv_general_dilated", RAGGED_DOT.name], Rule(COMPUTE)),
+    **dict.fromkeys(
+        ["dot_general", "conv_general_dilated", RAGGED_DOT.name], Rule(COMPUTE, kept=True)
+    ),
     **dict.fromkeys(
         "exp exp2 log log1p expm1 pow integer_pow square sqrt rsqrt cbrt logistic erf erfc "
         "erf_inv lgamma digamma".split(),
@@ -294,7 +303,7 @@ _TABLE_BY_NAME: dict[str, Rule] = {
     **dict.fromkeys(
         "cholesky eig eigh fft geqp3 geqrf hessenberg householder_product lu ormqr qr schur "
         "svd triangular_solve tridiagonal tridiagonal_solve".split(),
-        Rule(NO_HALF_KERNEL),
+        Rule(NO_HALF_KERNEL, kept=True),
     ),
     **dict.fromkeys(
         "add sub neg add_any convert_element_type copy copy_p select_n real imag complex "
@@ -325,19 +334,25 @@ _TABLE_BY_NAME: dict[str, Rule] = {
     "scatter-mul": Rule(OPERANDS, reduction=True),
     **dict.fromkeys(
         "reduce_max reduce_min argmax argmin reduce_and reduce_or reduce_xor reduce_window_max "
-        "reduce_window_min cummax cummin sort top_k approx_top_k scatter-max scatter-min "
-        "select_and_scatter iota random_bits random_fold_in random_gamma random_seed "
-        "random_split random_wrap random_unwrap threefry2x32 rng_bit_generator rng_uniform "
-        "sharding_constraint device_put optimization_barrier pvary psum pmax pmin psum_invariant "
-        "pbroadcast all_gather all_to_all ppermute ragged_all_to_all axis_index reduce_scatter "
-        "mesh_cast reshard".split(),
+        "reduce_window_min cummax cummin scatter-max scatter-min select_and_scatter iota "
+        "random_bits random_fold_in random_gamma random_seed random_split random_wrap "
+        "random_unwrap threefry2x32 rng_bit_generator rng_uniform sharding_constraint "
+        "device_put optimization_barrier pvary pbroadcast axis_index mesh_cast "
+        "reshard".split(),
         _FOLLOWS,
     ),
+    # Sorts, and collectives (computing them again would communicate again).
     **dict.fromkeys(
-        "bitcast_convert_type custom_lin custom_linear_solve reduce reduce_window "
-        "create_token after_all get swap empty2 name xla_pmap".split(),
+        "sort top_k approx_top_k psum pmax pmin psum_invariant all_gather all_to_all ppermute "
+        "ragged_all_to_all reduce_scatter".split(),
+        Rule(OPERANDS, kept=True),
+    ),
+    **dict.fromkeys(
+        "bitcast_convert_type custom_lin reduce reduce_window create_token after_all get swap "
+        "empty2 name".split(),
         Rule(AS_TRACED),
     ),
+    **dict.fromkeys(["custom_linear_solve", "xla_pmap"], Rule(AS_TRACED, kept=True)),
 }
 
 _EXPORTED = {p.name: p for p in vars(_primitives).values() if isinstance(p, jcore.Primitive)}
@@ -361,6 +376,17 @@ def rule_of(primitive: Any) -> Rule | None:
     primitive = getattr(primitive, "primitive", primitive)
     rule = RULES.get(primitive)
     return rule if rule is not None else RULES_BY_NAME.get(primitive.name)
+
+
+def kept_for_backward(eqn: Any) -> bool:
+    """Whether `eqn`'s outputs are kept for the backward pass rather than computed again from
+    what is kept (`Rule.kept`): a primitive without a rule, a host callback and an opaque
+    sub-program are kept too (computing them again may cost anything). For a call, a loop, a
+    branch, a remat or a custom derivative, what runs inside decides (False)."""
+    if eqn.primitive in STRUCTURAL or eqn.primitive in CUSTOM_DERIVATIVES or is_call(eqn):
+        return False
+    rule = rule_of(eqn)
+    return rule is None or rule.kept or is_callback(eqn) or bool(sub_programs(eqn))
 
 
 def names_running_in(runs_in: str) -> frozenset[str]:

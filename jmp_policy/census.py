@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import eval_jaxpr
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from jmp_policy import _jaxpr, _naming
 from jmp_policy._pytree import pure_nnx, split_traced
@@ -222,8 +222,8 @@ def report_of_jaxpr(
     totals: dict = collections.defaultdict(lambda: [0, 0])
     misaligned, half_flops, fp8_flops, all_flops, not_fp8 = [], 0, 0, 0, []
     for eqn, times in _jaxpr.walk(jaxpr):
-        if _jaxpr.sub_programs(eqn):
-            continue  # a container (jit, scan, ...): its body is counted instead
+        if _jaxpr.sub_programs(eqn) or eqn.primitive is _jaxpr.CHECKPOINT_NAME:
+            continue  # a container (jit, scan, ...): its body is counted instead; a name
         dtype = compute_dtype(eqn)
         if dtype is None:
             continue
@@ -285,6 +285,9 @@ def float32_matmuls(
     """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    for eqn in jaxpr.eqns:  # a named value (`_jaxpr.CHECKPOINT_NAME`): what it names
+        if eqn.primitive is _jaxpr.CHECKPOINT_NAME and not isinstance(eqn.invars[0], Literal):
+            producers[eqn.outvars[0]] = producers.get(eqn.invars[0])
     inputs = set(jaxpr.invars)
     for eqn in jaxpr.eqns:
         stack = "/".join(p for p in (where, str(eqn.source_info.name_stack)) if p)
