@@ -11,8 +11,11 @@ from jax.extend import core as jcore
 
 from jmp_policy._validation import (
     HALF_MASTER_WEIGHTS,
+    UNSCALED_ARRIVED,
     said,
+    user_frame,
     warn_at_user_line,
+    warn_once_at,
     warn_once_per_mistake,
 )
 from jmp_policy.loss_scale import (
@@ -22,6 +25,88 @@ from jmp_policy.loss_scale import (
 
 class LossScalingWarning(UserWarning):
     """A `loss_scaling` optimizer used in a way that trains badly without failing."""
+
+
+WITHOUT_SCALE = "computed without the scale"
+ARRIVED = "arrived from outside the step"
+
+
+def gradient_origin(grads: Any, params: Any, scale: Any) -> str | None:
+    """Where the gradients given to `update` come from, in the traced step that calls it:
+    `WITHOUT_SCALE` where `computed_without` says so; `ARRIVED` where every gradient is an
+    input of that step (computed in another jitted function: Flax's examples compute them in
+    `apply_model` and apply them in `update_model`), `params` and `scale` being values of the
+    same trace; None otherwise (computed with the scale, or nothing to see)."""
+    if computed_without(grads, params, scale):
+        return WITHOUT_SCALE
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        leaves = jax.tree.leaves(grads)
+        traced = [x for x in leaves if isinstance(x, pe.DynamicJaxprTracer)]
+        others = [
+            x for x in jax.tree.leaves((params, scale)) if isinstance(x, pe.DynamicJaxprTracer)
+        ]
+        if not traced or len(traced) != len(leaves) or not others:
+            return None
+        trace = traced[0]._trace
+        if any(x._trace is not trace for x in traced + others):
+            return None
+        inputs = set(trace.frame.invars)
+        return ARRIVED if all(x.val in inputs for x in traced) else None
+    except Exception:  # noqa: BLE001 (JAX internals of another release: no check)
+        return None
+
+
+# The loss scaling states whose scale was read (`get_loss_scale`, `value_and_scaled_grad`)
+# in this process, by structure and leaf types: gradients that arrive into a step were
+# scaled by one of them, or by no one.
+_SCALES_READ: set = set()
+
+
+def _state_key(state: Any) -> tuple:
+    leaves, tree = jax.tree.flatten(state)
+    return tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def note_scale_read(state: Any) -> None:
+    """Records that the loss scale of a loss scaling state like `state` was read."""
+    _SCALES_READ.add(_state_key(state))
+
+
+def scale_read_for(state: Any) -> bool:
+    return _state_key(state) in _SCALES_READ
+
+
+def warn_at_first_run_if_arrived_unscaled(state: Any, first: Any) -> None:
+    """For gradients that arrive into the step (`ARRIVED`) while no loss scale of a state
+    like `state` was read anywhere in this process (no `value_and_scaled_grad`, no
+    `get_loss_scale`): a warning the step says when it first runs (`first`), at the user's
+    line where `update` is called. Said when run, not when traced: `jax.jit(tx.update)`
+    lowered, `eval_shape` or `make_jaxpr` say nothing, and a correct layout has no callback."""
+    if scale_read_for(state):
+        return
+    where = user_frame()
+    loss_scale = type(state.loss_scale).__name__
+
+    def say() -> None:
+        if said(UNSCALED_ARRIVED):
+            return
+        warn_once_at(
+            UNSCALED_ARRIVED,
+            "loss_scaling: the gradients given to `update` were computed in another "
+            f"function, and no loss scale of this optimizer state (its {loss_scale}) was read "
+            "anywhere: they are most likely gradients of the plain loss "
+            "(jax.value_and_grad in one jitted function, `apply_gradients` in another, as "
+            "Flax's examples are laid out), and every update is S times too small (S the loss "
+            "scale), with no error. Compute them with "
+            "`loss, grads = jmp_policy.value_and_scaled_grad(loss_fn)(state, params, ...)` in "
+            "that function (it reads the scale from the state you pass it).",
+            LossScalingWarning,
+            where,
+        )
+
+    jax.lax.cond(first, lambda: jax.debug.callback(say), lambda: None)
 
 
 def computed_without(grads: Any, params: Any, scale: Any) -> bool:

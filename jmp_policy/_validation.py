@@ -145,22 +145,40 @@ def said(mistake: str) -> bool:
 
 HALF_MASTER_WEIGHTS = "half-precision master weights"
 """The mistake of training float16/bfloat16 parameters without `low_precision_optimizer`."""
+UNSCALED_ARRIVED = "unscaled gradients from another function"
+"""The mistake of gradients of the plain loss computed in one jitted function and given to
+`update` in another."""
 MANY_SPIKES = "many spikes"
 """Spikes skipped at a rate no healthy run shows (`loss_scaling_report`)."""
 
 
-def warn_at_user_line(message: str, category: type[Warning]) -> None:
-    """`warnings.warn(message, category)` attributed to the innermost line of the user's code
-    on the stack, not to a line of JAX, Flax, optax or this library (which a fixed
-    `stacklevel` cannot find under `jit`, `nnx.Optimizer` or `eqx.filter_jit`)."""
+def user_frame() -> tuple:
+    """The innermost line of the user's code on the stack, not a line of JAX, Flax, optax or
+    this library (which a fixed `stacklevel` cannot find under `jit`, `nnx.Optimizer` or
+    `eqx.filter_jit`): `(filename, lineno, module, registry)` for `warnings.warn_explicit`."""
     frame = sys._getframe(1)
     while frame.f_back is not None and is_library_file(frame.f_code.co_filename):
         frame = frame.f_back
-    warnings.warn_explicit(
-        message,
-        category,
+    return (
         frame.f_code.co_filename,
         frame.f_lineno,
-        module=frame.f_globals.get("__name__", "__main__"),
-        registry=frame.f_globals.setdefault("__warningregistry__", {}),
+        frame.f_globals.get("__name__", "__main__"),
+        frame.f_globals.setdefault("__warningregistry__", {}),
     )
+
+
+def warn_at_user_line(message: str, category: type[Warning]) -> None:
+    """`warnings.warn(message, category)` attributed to the innermost line of the user's code
+    on the stack (`user_frame`)."""
+    filename, lineno, module, registry = user_frame()
+    warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry)
+
+
+def warn_once_at(mistake: str, message: str, category: type[Warning], where: tuple) -> None:
+    """`warn_once_per_mistake` at a line found before (`user_frame`): said from a callback
+    of a running step, the line where the step was traced."""
+    if mistake in _SAID:
+        return
+    _SAID.add(mistake)
+    filename, lineno, module, registry = where
+    warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry)

@@ -24,12 +24,16 @@ from jmp_policy._compat import pure
 from jmp_policy._gradient_stats import GradientStats, empty_gradient_stats, gradient_stats
 from jmp_policy._leaf_flags import LeafFlags as LeafFlags  # exported here
 from jmp_policy._leaf_flags import host_value as host_value
-from jmp_policy._misuse import LossScalingWarning as LossScalingWarning  # exported here
 from jmp_policy._misuse import (
+    ARRIVED,
+    WITHOUT_SCALE,
     _warn_if_gradients_unscaled,
     _warn_if_half_master_weights,
-    computed_without,
+    gradient_origin,
+    note_scale_read,
+    warn_at_first_run_if_arrived_unscaled,
 )
+from jmp_policy._misuse import LossScalingWarning as LossScalingWarning  # exported here
 from jmp_policy._spikes import SKIP_CAUSES as SKIP_CAUSES  # exported here
 from jmp_policy._spikes import SkipSpikes as SkipSpikes
 from jmp_policy._spikes import SpikeStats, _judge_spike
@@ -268,10 +272,16 @@ def loss_scaling(
         if params is not None:  # static dtypes: said while the first step traces
             _warn_if_half_master_weights(params, state.inner_state, where="update")
         loss_scale = state.loss_scale
-        if not isinstance(loss_scale, NoOpLossScale) and computed_without(
-            updates, params, loss_scale
-        ):
+        origin = (
+            None
+            if isinstance(loss_scale, NoOpLossScale)
+            else gradient_origin(updates, params, loss_scale)
+        )
+        if origin == WITHOUT_SCALE:
             _warn_if_gradients_unscaled(loss_scale)
+        elif origin == ARRIVED:
+            first = (state.applied_steps == 0) & (state.skipped_steps == 0)
+            warn_at_first_run_if_arrived_unscaled(state, first)
         old_flags = state.nonfinite_leaves
         leaf_finite = unscaled_leaf_finite(updates, loss_scale, axis_name)
         # The loss, where given (`value=loss`, as optax passes it to transforms that need it):
@@ -497,4 +507,6 @@ def get_loss_scale(opt_state: Any) -> LossScale:
       >>> jmp.get_loss_scale(tx.init({"w": jnp.ones(2)}))
       StaticLossScale(loss_scale=8.0)
     """
-    return find_loss_scaling_state(opt_state).loss_scale
+    state = find_loss_scaling_state(opt_state)
+    note_scale_read(state)  # gradients that arrive into a step were scaled by it
+    return state.loss_scale

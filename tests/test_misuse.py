@@ -53,6 +53,67 @@ def test_plain_gradients_next_to_loss_scaling_warn_at_the_first_step_on_the_user
         train_step(params, opt_state, X)
 
 
+def _flax_layout(tx, value_and_grad):
+    """Flax's Linen MNIST layout: gradients computed in one jitted function (`apply_model`),
+    applied to a `TrainState` in another (`update_model`); the first epoch's two steps."""
+    from flax.training import train_state
+
+    @jax.jit
+    def apply_model(state, x):
+        return value_and_grad(state, x)
+
+    @jax.jit
+    def update_model(state, grads):
+        return state.apply_gradients(grads=grads)  # the line the warning names
+
+    def run():
+        state = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+        for _ in range(2):
+            _, grads = apply_model(state, X)
+            state = update_model(state, grads)
+        jax.effects_barrier()  # the first step's callback has run
+        return state
+
+    return run
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """What this process has read and said, as in a new one: a loss scale read by another
+    test for a state of the same structure would silence the check (docs/mistakes.md)."""
+    from jmp_policy import _misuse, _validation
+
+    monkeypatch.setattr(_misuse, "_SCALES_READ", set())
+    monkeypatch.setattr(_validation, "_SAID", set())
+
+
+@pytest.mark.usefixtures("fresh_process")
+def test_plain_gradients_from_another_jitted_function_warn_when_the_first_step_runs():
+    plain = lambda state, x: jax.value_and_grad(_loss)(state.params, x)  # noqa: E731
+    run = _flax_layout(_scaled_tx(), plain)
+    with pytest.warns(jmp.LossScalingWarning, match="value_and_scaled_grad") as caught:
+        run()
+    assert [w.filename for w in caught] == [__file__]
+    assert "computed in another function" in str(caught[0].message)
+    # Lowering, eval_shape and make_jaxpr of such an update run nothing: nothing is said.
+    tx = _scaled_tx(optax.adam(0.1))
+    state = tx.init(PARAMS)
+    _no_warning(lambda: jax.jit(tx.update).lower(PARAMS, state, PARAMS))
+    _no_warning(lambda: jax.eval_shape(jax.jit(tx.update), PARAMS, state, PARAMS))
+
+
+@pytest.mark.usefixtures("fresh_process")
+def test_scaled_gradients_from_another_jitted_function_are_silent():
+    scaled = lambda state, x: jmp.value_and_scaled_grad(_loss)(state, state.params, x)  # noqa: E731
+    _no_warning(_flax_layout(_scaled_tx(optax.adam(0.05)), scaled))
+
+    def by_hand(state, x):  # the loss scaled with the state's scale, by hand
+        scale = jmp.get_loss_scale(state)
+        return jax.value_and_grad(lambda p: scale.scale(_loss(p, x)))(state.params)
+
+    _no_warning(_flax_layout(_scaled_tx(optax.adamw(0.05)), by_hand))
+
+
 def _no_warning(run):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -325,7 +386,8 @@ def test_half_parameters_at_update_warn_once_at_the_first_step(layout):
     tx = jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15))
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
     half = jax.tree.map(lambda p: p.astype(jnp.float16), params)
-    grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**14, p.dtype), params)  # scaled
+    scale = jmp.get_loss_scale(tx.init(params)).loss_scale  # gradients of the scaled loss
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5 * scale, p.dtype), params)
     if layout == "optax step":
         opt_state = tx.init(params)
 

@@ -549,6 +549,7 @@ def _grads_of_size(step, size, poisoned=False):
 def test_skip_is_exact_for_large_and_small_leaves(inner, size):
     tx = jmp.loss_scaling(inner, jmp.DynamicLossScale(2.0**4))
     params = _params_of_size(size)
+    jmp.get_loss_scale(tx.init(params))  # the gradients' scale read, as scaling them reads it
     jaxpr = jax.make_jaxpr(tx.update)(_grads_of_size(0, size), tx.init(params), params)
     primitives = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
     # One cond around the optimizer step; the flags of the bad leaves come
