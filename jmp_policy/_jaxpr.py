@@ -161,10 +161,35 @@ def bind(eqn: Any, invals: Sequence[Any], **param_updates: Any) -> list:
 
 def sub_programs(eqn: Any) -> list:
     """The programs an equation runs (a `jit`'s, a `scan`'s body, a `cond`'s branches), not a
-    scatter's combining function (`update_jaxpr`): that is part of the scatter itself."""
+    scatter's combining function (`update_jaxpr`): that is part of the scatter itself. Of a
+    `lax.platform_dependent` branch, the one the default backend runs (`platform_branch`)."""
     if eqn.primitive.name in _LAX_SCATTERS:
         return []
+    chosen = platform_branch(eqn)
+    if chosen is not None:
+        return [eqn.params["branches"][chosen]]
     return list(jaxprs_in_params(eqn.params))
+
+
+# The names `lax.platform_dependent` gives the platforms of `jax.default_backend()`.
+_LOWERING_NAMES = {"gpu": ("cuda", "rocm", "gpu")}
+
+
+def platform_branch(eqn: Any) -> int | None:
+    """For a `cond` made by `lax.platform_dependent` (its `branches_platforms`), the index of
+    the branch `jax.default_backend()` runs; None for any other equation."""
+    platforms = eqn.params.get("branches_platforms") if eqn.primitive is COND else None
+    if platforms is None:
+        return None
+    backend = jax.default_backend()
+    names = _LOWERING_NAMES.get(backend, (backend,))
+    default = None
+    for i, branch in enumerate(platforms):
+        if branch is None:
+            default = i
+        elif any(name in branch for name in names):
+            return i
+    return default
 
 
 _LAX_SCATTERS: dict[str, Callable[..., Any]] = {
@@ -337,8 +362,8 @@ _TABLE_BY_NAME: dict[str, Rule] = {
         "reduce_window_min cummax cummin scatter-max scatter-min select_and_scatter iota "
         "random_bits random_fold_in random_gamma random_seed random_split random_wrap "
         "random_unwrap threefry2x32 rng_bit_generator rng_uniform sharding_constraint "
-        "device_put optimization_barrier pvary pbroadcast axis_index mesh_cast "
-        "reshard".split(),
+        "device_put optimization_barrier pvary pbroadcast axis_index mesh_cast reshard "
+        "platform_index".split(),
         _FOLLOWS,
     ),
     # Sorts, and collectives (computing them again would communicate again).

@@ -61,7 +61,11 @@ def _eval_with_output(closed: Any, out_dtype: np.dtype | None, *args: Any) -> li
     def rule(eqn: Any, invals: list) -> list | None:
         if not _jaxpr.is_matmul(eqn) or out_dtype is None:
             return None
-        return _jaxpr.bind(eqn, _runnable(invals, out_dtype), preferred_element_type=out_dtype)
+        return _runnable(
+            lambda *xs: _jaxpr.bind(eqn, list(xs), preferred_element_type=out_dtype),
+            invals,
+            out_dtype,
+        )
 
     return _jaxpr.evaluate_closed(closed, args, rule)
 
@@ -71,18 +75,24 @@ CPU_WIDENED = "xla_cpu_widened_bfloat16"
 float32 (this machine's XLA), not that the model's code cast its operand."""
 
 
-def _runnable(operands: list, out_dtype: np.dtype | None) -> list:
-    """XLA:CPU compiles, but cannot run, a bfloat16 x bfloat16 -> float32 matmul: there the
-    operands are widened first (exactly: bfloat16 products are exact in float32), so the
-    result is the one a GPU computes. Other backends and dtypes are left as they are."""
-    if (
-        out_dtype == np.float32
-        and any(getattr(x, "dtype", None) == jnp.bfloat16 for x in operands)
-        and jax.default_backend() == "cpu"
+def _runnable(matmul: Callable[..., Any], operands: list, out_dtype: np.dtype | None) -> Any:
+    """`matmul(*operands)`, where XLA:CPU compiles, but cannot run, a bfloat16 x bfloat16 ->
+    float32 matmul: for CPU the operands are widened first (exactly: bfloat16 products are
+    exact in float32), so the result is the one a GPU computes. Decided when the program is
+    lowered (`lax.platform_dependent`), not when it is traced: the same program exported or
+    lowered for a GPU or TPU runs its matmul in bfloat16 (`_jaxpr.sub_programs` reads the
+    branch of the platform it runs on). Other dtypes are left as they are."""
+    if out_dtype != np.float32 or not any(
+        getattr(x, "dtype", None) == jnp.bfloat16 for x in operands
     ):
+        return matmul(*operands)
+
+    def widened(*operands: Any) -> Any:
         with jax.named_scope(CPU_WIDENED):
-            return [_cast(x, np.dtype(np.float32)) for x in operands]
-    return operands
+            operands = [_cast(x, np.dtype(np.float32)) for x in operands]
+        return matmul(*operands)
+
+    return lax.platform_dependent(*operands, cpu=widened, default=matmul)
 
 
 def mixed(op: Callable, compute: np.dtype, accumulate: np.dtype | None, lhs: Any, rhs: Any):
@@ -92,8 +102,11 @@ def mixed(op: Callable, compute: np.dtype, accumulate: np.dtype | None, lhs: Any
 
     @jax.custom_vjp
     def in_compute(lhs, rhs):
-        operands = _runnable([_cast(lhs, compute), _cast(rhs, compute)], accumulate)
-        return op(*operands, accumulate)
+        return _runnable(
+            lambda lhs, rhs: op(lhs, rhs, accumulate),
+            [_cast(lhs, compute), _cast(rhs, compute)],
+            accumulate,
+        )
 
     def forward(lhs, rhs):
         # The operands as they came: a float32 weight is cast again in the backward
