@@ -129,15 +129,20 @@ class DelayedScaling:
         Flax's `update_fp8_meta` and TransformerEngine's rule: the new scale
         is `compute_scale` of the history's max (or its latest entry), the
         previous scale kept for an amax of 0 or non-finite; the history is
-        rolled by one and `amax` written at index 0.
+        rolled by one and `amax` written at index 0. A non-finite `amax` (an inf
+        or NaN batch, an overflowed gradient: a step `loss_scaling` skips) is not
+        recorded: the history stays as it was (as AQT keeps the previous amax), so
+        one bad batch cannot freeze the scale for `history_length` steps.
         """
         history = meta.amax_history
         seen = history.max(axis=-1) if self.amax_from == "max" else history[..., 0]
         scale = compute_scale(
             seen, meta.scale, dtype, margin=self.margin, power_of_two=self.power_of_two
         )
-        rolled = jnp.roll(history, -1, axis=-1).at[..., 0].set(amax.astype(jnp.float32))
-        return Fp8Meta(scale, rolled)
+        amax = jnp.asarray(amax, jnp.float32)
+        rolled = jnp.roll(history, -1, axis=-1).at[..., 0].set(amax)
+        finite = jnp.isfinite(amax)[..., None]
+        return Fp8Meta(scale, jnp.where(finite, rolled, history))
 
 
 def fp8_dot_general_delayed(

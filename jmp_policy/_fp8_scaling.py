@@ -71,17 +71,20 @@ def compute_scale(
 def quantize(x: jax.Array, dtype: DTypeLike, scale: ArrayLike) -> jax.Array:
     """`x * scale` in float32, saturated at `dtype`'s largest value and cast to `dtype`.
 
-    NaNs stay NaN; infs and values beyond the range become +-fp8_max.
+    Finite values beyond the range become +-fp8_max; an inf or a NaN of `x` becomes NaN, so a
+    matmul on it is not finite and the finite check of `loss_scaling` sees it (saturating an
+    inf input batch or an overflowed gradient to fp8_max would hide it).
 
     Examples:
       >>> import jax.numpy as jnp
       >>> from jmp_policy.fp8 import E4M3, quantize
       >>> quantize(jnp.array([1.0, 1000.0, -jnp.inf]), E4M3, 1.0).astype(jnp.float32)
-      Array([   1.,  448., -448.], dtype=float32)
+      Array([  1., 448.,  nan], dtype=float32)
     """
     top = np.float32(fp8_max(dtype))
-    scaled = x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
-    return jnp.clip(scaled, -top, top).astype(dtype)
+    wide = x.astype(jnp.float32)
+    scaled = jnp.clip(wide * jnp.asarray(scale, jnp.float32), -top, top)
+    return jnp.where(jnp.isfinite(wide), scaled, jnp.nan).astype(dtype)
 
 
 def _amax(x: jax.Array) -> jax.Array:
