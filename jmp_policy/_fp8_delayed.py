@@ -85,6 +85,11 @@ class DelayedScaling:
       amax_from: "max" (the largest amax in the history) or "most_recent".
       fmt: "hybrid" (e5m2 gradients) or "e4m3".
       power_of_two: round scales down to powers of two.
+      grad_margin: the output gradients' margin (None: `margin + 1`). The gradients are
+        those of the loss times the loss scale, which a `DynamicLossScale` doubles after
+        a run of finite steps: on that step each gradient amax is twice the history's,
+        and one bit of headroom keeps it in range (0: TransformerEngine's and Flax's
+        rule, where such a step clips).
 
     Examples:
       >>> from jmp_policy.fp8 import DelayedScaling
@@ -99,10 +104,13 @@ class DelayedScaling:
     amax_from: str = "max"
     fmt: str = "hybrid"
     power_of_two: bool = False
+    grad_margin: int | None = None
 
     def __post_init__(self):
-        for name, low in (("history_length", 1), ("margin", 0)):
+        for name, low in (("history_length", 1), ("margin", 0), ("grad_margin", 0)):
             value = getattr(self, name)
+            if name == "grad_margin" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"Expected an integer >= {low} for `{name}`, got {value!r}.")
         if self.amax_from not in AMAX_FROM:
@@ -123,7 +131,14 @@ class DelayedScaling:
 
         return Fp8DotState(meta(), meta(), meta(), jnp.zeros((), jnp.float32))
 
-    def advance(self, meta: Fp8Meta, amax: jax.Array, dtype: DTypeLike) -> Fp8Meta:
+    def advance_grad(self, meta: Fp8Meta, amax: jax.Array) -> Fp8Meta:
+        """`advance` of an output gradient's metadata, with `grad_margin`."""
+        margin = self.margin + 1 if self.grad_margin is None else self.grad_margin
+        return self.advance(meta, amax, self.grad_dtype, margin=margin)
+
+    def advance(
+        self, meta: Fp8Meta, amax: jax.Array, dtype: DTypeLike, margin: int | None = None
+    ) -> Fp8Meta:
         """One step of `meta`: the scale from the history so far, then `amax` recorded.
 
         Flax's `update_fp8_meta` and TransformerEngine's rule: the new scale
@@ -136,9 +151,8 @@ class DelayedScaling:
         """
         history = meta.amax_history
         seen = history.max(axis=-1) if self.amax_from == "max" else history[..., 0]
-        scale = compute_scale(
-            seen, meta.scale, dtype, margin=self.margin, power_of_two=self.power_of_two
-        )
+        margin = self.margin if margin is None else margin
+        scale = compute_scale(seen, meta.scale, dtype, margin=margin, power_of_two=self.power_of_two)
         amax = jnp.asarray(amax, jnp.float32)
         rolled = jnp.roll(history, -1, axis=-1).at[..., 0].set(amax)
         finite = jnp.isfinite(amax)[..., None]
@@ -201,7 +215,7 @@ def next_state(state: Fp8DotState, state_grads: Fp8DotState, recipe: DelayedScal
     is_state = lambda x: isinstance(x, Fp8DotState)  # noqa: E731
 
     def fold(s, g):
-        grad_meta = recipe.advance(s.grad, g.grad_amax, recipe.grad_dtype)
+        grad_meta = recipe.advance_grad(s.grad, g.grad_amax)
         return dataclasses.replace(s, grad=grad_meta, grad_amax=jnp.zeros_like(s.grad_amax))
 
     return jax.tree.map(fold, state, state_grads, is_leaf=is_state)
@@ -247,7 +261,7 @@ def _delayed_dot_bwd(dimension_numbers, static, residuals, g):
     recipe, _, lhs_dtype, rhs_dtype = static
     q_lhs, s_lhs, q_rhs, s_rhs, grad_meta, grad_amax = residuals
     amax = _amax(g)
-    s_g = recipe.advance(grad_meta, amax, recipe.grad_dtype).scale
+    s_g = recipe.advance_grad(grad_meta, amax).scale
     q_g = quantize(g, recipe.grad_dtype, s_g)
     d_lhs, d_rhs = _dequantized_grads(
         (q_g, s_g), (q_lhs, s_lhs), (q_rhs, s_rhs), dimension_numbers, (lhs_dtype, rhs_dtype)

@@ -310,8 +310,9 @@ def _flax_fp8_step(op, variables, x, w, cotangent):
 
 def test_delayed_scaling_equals_flax_over_steps():
     # Amaxes whose scales are powers of two, so Flax's division by the
-    # reciprocal scale and our multiplication agree exactly.
-    recipe = DelayedScaling(history_length=4)
+    # reciprocal scale and our multiplication agree exactly. Flax's rule for the gradients
+    # has no headroom for a loss scale's growth (grad_margin=0).
+    recipe = DelayedScaling(history_length=4, grad_margin=0)
     state = recipe.init()
     w = _values(1, (16, 8), 1.75)
     op = fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=4)
@@ -397,6 +398,8 @@ def test_delayed_scaling_recipe_is_validated_when_built():
         DelayedScaling(amax_from="mean")
     with pytest.raises(ValueError, match="`fmt`"):
         DelayedScaling(fmt="e5m2")
+    with pytest.raises(ValueError, match="grad_margin"):
+        DelayedScaling(grad_margin=-1)
     with pytest.raises(TypeError, match="`recipe`"):
         fp8_dot_general_delayed(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL, None, "delayed")  # type: ignore[arg-type]
 
@@ -790,3 +793,42 @@ def test_a_non_finite_amax_is_never_written_to_a_history():
         np.testing.assert_array_equal(kept.amax_history, meta.amax_history)
         assert bool(jnp.isfinite(kept.scale))
     np.testing.assert_allclose(recipe.advance(meta, jnp.float32(5.0), E4M3).scale, 448.0 / 3.0)
+
+
+@pytest.mark.standard_promotion  # optax's Adam mixes float and int
+@pytest.mark.parametrize("grad_margin, clips", [(None, False), (0, True)])
+def test_the_loss_scales_growth_does_not_clip_the_gradients(grad_margin, clips):
+    """A DynamicLossScale doubles after `period` finite steps: on that step every output
+    gradient's amax is twice its history's. With the default `grad_margin` (one bit of
+    headroom) no step's amax goes beyond e5m2's range at the scale it was quantized with;
+    with Flax's rule (0) the growth steps do."""
+    import optax
+
+    recipe = DelayedScaling(history_length=4, amax_from="most_recent", grad_margin=grad_margin)
+    params, fp8_state, _, _ = _docs_delayed_model(recipe, seed=1)
+    tx = jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**10, period=3))
+    opt_state = tx.init(params)
+    worst = []
+    x, y = _batch(0)  # one batch: what changes between steps is the loss scale
+    for _ in range(12):
+        scale = jmp.get_loss_scale(opt_state)
+
+        def scaled(params, fp8_state, scale=scale, x=x, y=y):
+            def layer(h, weights_and_state):
+                w, state = weights_and_state
+                h, state = fp8_dot_general_delayed(h, w, MATMUL, state, recipe)
+                return jnp.tanh(h), state
+
+            h, fp8_state = jax.lax.scan(layer, x, (params, fp8_state))
+            return scale.scale(((h - y) ** 2).mean()), fp8_state
+
+        (_, new_state), (grads, state_grads) = jax.value_and_grad(
+            scaled, argnums=(0, 1), has_aux=True
+        )(params, fp8_state)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        fp8_state = next_state(new_state, state_grads, recipe)
+        # The amax this step's gradient had, at the scale it was quantized with.
+        worst.append(float(jnp.max(fp8_state.grad.amax_history[:, 0] * fp8_state.grad.scale)))
+    assert float(jmp.get_loss_scale(opt_state).loss_scale) > 2.0**10  # it grew
+    assert (max(worst[2:]) > fp8_max(E5M2) * 1.01) == clips, worst
