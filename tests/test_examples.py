@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import sys
 
@@ -326,3 +327,29 @@ def test_readme_quotes_the_demos_own_figures(tmp_path):
     quoted = {"float32": f32, "mixed_float16": f16, "mixed_bfloat16": bf16}
     for policy, value in printed.items():
         assert abs(float(value) - float(quoted[policy])) <= 2e-4, (policy, value, quoted)
+
+
+def test_the_demos_bfloat16_step_lowered_for_a_gpu_runs_its_matmuls_in_bfloat16():
+    """The demo's bfloat16 row has float32 matmuls on this CPU (its table says why: XLA:CPU
+    has no bfloat16 x bfloat16 -> float32 dot). The same gradient step, lowered for a GPU
+    (`jax.export`, no GPU needed), runs every matmul on bfloat16 operands."""
+    demo = load("examples/demo.py")
+    model = jmp.linen.mixed_precision(
+        demo.LanguageModel(64, length=32), "mixed_bfloat16", jmp.linen.NORMS_IN_FLOAT32
+    )
+    x = jnp.zeros((4, 32), jnp.int32)
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def dot_types(platform):
+        exported = jax.export.export(jax.jit(jax.grad(loss_fn)), platforms=[platform])
+        module = exported(params, x, x).mlir_module()
+        dots = [line for line in module.splitlines() if "stablehlo.dot_general" in line]
+        return [re.findall(r"tensor<(?:\d+x)*(\w+)>", d.split(" : ")[-1])[:2] for d in dots]
+
+    on_cpu, on_gpu = dot_types("cpu"), dot_types("cuda")
+    assert ["f32", "f32"] in on_cpu, on_cpu  # widened here
+    assert len(on_gpu) == len(on_cpu) and all(t == ["bf16", "bf16"] for t in on_gpu), on_gpu
