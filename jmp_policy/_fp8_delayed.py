@@ -152,7 +152,9 @@ class DelayedScaling:
         history = meta.amax_history
         seen = history.max(axis=-1) if self.amax_from == "max" else history[..., 0]
         margin = self.margin if margin is None else margin
-        scale = compute_scale(seen, meta.scale, dtype, margin=margin, power_of_two=self.power_of_two)
+        scale = compute_scale(
+            seen, meta.scale, dtype, margin=margin, power_of_two=self.power_of_two
+        )
         amax = jnp.asarray(amax, jnp.float32)
         rolled = jnp.roll(history, -1, axis=-1).at[..., 0].set(amax)
         finite = jnp.isfinite(amax)[..., None]

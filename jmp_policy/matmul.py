@@ -89,8 +89,8 @@ def _runnable(matmul: Callable[..., Any], operands: list, out_dtype: np.dtype | 
 
     def widened(*operands: Any) -> Any:
         with jax.named_scope(CPU_WIDENED):
-            operands = [_cast(x, np.dtype(np.float32)) for x in operands]
-        return matmul(*operands)
+            wide = [_cast(x, np.dtype(np.float32)) for x in operands]
+        return matmul(*wide)
 
     return lax.platform_dependent(*operands, cpu=widened, default=matmul)
 

@@ -746,9 +746,11 @@ def _batch(i):
 
 def _input_clip_share(fp8_state, x):
     """The share of the first layer's input values beyond e4m3's range at its next scale."""
-    scale = DelayedScaling(history_length=8).advance(
-        jax.tree.map(lambda a: a[0], fp8_state.lhs), jnp.zeros(()), E4M3
-    ).scale
+    scale = (
+        DelayedScaling(history_length=8)
+        .advance(jax.tree.map(lambda a: a[0], fp8_state.lhs), jnp.zeros(()), E4M3)
+        .scale
+    )
     return float(jnp.mean(jnp.abs(x * scale) > fp8_max(E4M3)))
 
 
@@ -771,7 +773,9 @@ def test_a_bad_batch_is_skipped_and_leaves_every_amax_history_as_it_was(bad):
     after_params, after, after_opt = step(params, fp8_state, opt_state, x, y)
     assert int(after_opt.skipped_steps) == 1
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), after, before))
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), after_params, params))
+    assert jax.tree.all(
+        jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), after_params, params)
+    )
 
     clean = (params, fp8_state, opt_state)
     run = (after_params, after, after_opt)
