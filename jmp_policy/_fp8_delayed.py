@@ -243,6 +243,55 @@ def combine_microbatches(*states: Any) -> Any:
     return functools.reduce(lambda a, b: jax.tree.map(jnp.maximum, a, b), states)
 
 
+def merge_microbatch(opt_state: Any, new: Any, old: Any) -> Any:
+    """Under `optax.MultiSteps`, where each microbatch's call advances the state: one history
+    entry per optimizer step, the largest amax of its microbatches, and one scale per step.
+
+    Each call of `fp8_dot_general_delayed` and `next_state` writes an amax and moves the
+    scale; when a step's microbatches are separate calls of the train step (`MultiSteps`
+    applies the update on the k-th), that records each microbatch as a step of its own: with
+    `amax_from="most_recent"` the next scale follows the last microbatch only (marin#7659).
+    This keeps `new` (the state this call made) for the first microbatch of a step, and for
+    the others `old` (the state the call started from: its scales, its history) with this
+    call's amax merged into the latest entry by a max. Call it after `next_state`:
+
+        fp8_state = merge_microbatch(opt_state, next_state(new, state_grads, recipe), fp8_state)
+
+    Args:
+      opt_state: the optimizer state given to this call's `update` (before it), holding one
+        `optax.MultiStepsState` (an optax state, a Flax `TrainState` or an `nnx.Optimizer`).
+      new: the state this call made (`next_state`'s).
+      old: the state it started from.
+
+    Raises:
+      ValueError: `opt_state` holds no `optax.MultiStepsState` (or several).
+    """
+    import optax
+
+    from jmp_policy.transform import find_states
+
+    found = find_states(opt_state, optax.MultiStepsState)
+    if len(found) != 1:
+        raise ValueError(
+            "Expected the optimizer state given to this microbatch's update, holding one "
+            f"optax.MultiStepsState, for `opt_state` of merge_microbatch; found {len(found)}."
+        )
+    first = found[0].mini_step == 0
+
+    def merge(n: Any, o: Any) -> Any:
+        if not isinstance(n, Fp8Meta):
+            return n
+        latest = jnp.maximum(o.amax_history[..., 0], n.amax_history[..., 0])
+        merged = o.amax_history.at[..., 0].set(latest)
+        return Fp8Meta(
+            jnp.where(first, n.scale, o.scale),
+            jnp.where(first, n.amax_history, merged),
+        )
+
+    is_meta = lambda x: isinstance(x, Fp8Meta)  # noqa: E731
+    return jax.tree.map(merge, new, old, is_leaf=is_meta)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _delayed_dot(lhs, rhs, lhs_scale, rhs_scale, grad_meta, grad_amax, dimension_numbers, static):
     return _delayed_dot_fwd(

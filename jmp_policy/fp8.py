@@ -44,6 +44,7 @@ from jmp_policy._fp8_delayed import Fp8DotState as Fp8DotState
 from jmp_policy._fp8_delayed import Fp8Meta as Fp8Meta
 from jmp_policy._fp8_delayed import combine_microbatches as combine_microbatches
 from jmp_policy._fp8_delayed import fp8_dot_general_delayed as fp8_dot_general_delayed
+from jmp_policy._fp8_delayed import merge_microbatch as merge_microbatch
 from jmp_policy._fp8_delayed import next_state as next_state
 from jmp_policy._fp8_scaling import E4M3 as E4M3
 from jmp_policy._fp8_scaling import E5M2 as E5M2

@@ -836,3 +836,47 @@ def test_the_loss_scales_growth_does_not_clip_the_gradients(grad_margin, clips):
         worst.append(float(jnp.max(fp8_state.grad.amax_history[:, 0] * fp8_state.grad.scale)))
     assert float(jmp.get_loss_scale(opt_state).loss_scale) > 2.0**10  # it grew
     assert (max(worst[2:]) > fp8_max(E5M2) * 1.01) == clips, worst
+
+
+@pytest.mark.standard_promotion  # optax's MultiSteps mixes float and int
+@pytest.mark.parametrize("amax_from", ["max", "most_recent"])
+def test_microbatches_under_multisteps_record_the_largest_amax(amax_from):
+    """`optax.MultiSteps` over 4 microbatches, one 50x larger, each a call of the train step:
+    `merge_microbatch` records one history entry per optimizer step, the largest amax, and
+    the next step's scale comes from it, whichever `amax_from` (without it "most_recent"
+    follows the last microbatch: marin#7659)."""
+    import optax
+
+    from jmp_policy.fp8 import merge_microbatch
+
+    recipe = DelayedScaling(history_length=4, amax_from=amax_from)
+    w = _values(80, (32, 32), 0.5)
+    tx = optax.MultiSteps(optax.sgd(1e-4), every_k_schedule=4)
+    opt_state, state = tx.init(w), recipe.init()
+
+    def loss_fn(w, state, x):
+        y, state = fp8_dot_general_delayed(x, w, MATMUL, state, recipe)
+        return jnp.mean(y.astype(jnp.float32) ** 2), state
+
+    @jax.jit
+    def call(w, state, opt_state, x):
+        (_, new), (grads, state_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+            w, state, x
+        )
+        merged = merge_microbatch(opt_state, next_state(new, state_grads, recipe), state)
+        updates, opt_state = tx.update(grads, opt_state, w)
+        return optax.apply_updates(w, updates), merged, opt_state, new.lhs.amax_history[0]
+
+    amaxes = []
+    for step in range(2):
+        for i, size in enumerate((1.0, 1.0, 50.0, 1.0)):
+            x = _values(90 + 4 * step + i, (8, 32), size)
+            w, state, opt_state, amax = call(w, state, opt_state, x)
+            amaxes.append(float(amax))
+        # One entry per step: the largest of its four microbatches, the scale from it.
+        np.testing.assert_array_equal(state.lhs.amax_history[0], max(amaxes[-4:]))
+        assert int((state.lhs.amax_history > 0).sum()) == step + 1
+    np.testing.assert_allclose(state.lhs.scale, 448.0 / max(amaxes[:4]), rtol=1e-6)
+    assert float(state.grad.amax_history[0]) > 0
+    with pytest.raises(ValueError, match="MultiStepsState"):
+        merge_microbatch(optax.sgd(0.1).init(w), state, state)
