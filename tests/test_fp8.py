@@ -803,9 +803,9 @@ def test_a_non_finite_amax_is_never_written_to_a_history():
 @pytest.mark.parametrize("grad_margin, clips", [(None, False), (0, True)])
 def test_the_loss_scales_growth_does_not_clip_the_gradients(grad_margin, clips):
     """A DynamicLossScale doubles after `period` finite steps: on that step every output
-    gradient's amax is twice its history's. With the default `grad_margin` (one bit of
-    headroom) no step's amax goes beyond e5m2's range at the scale it was quantized with;
-    with Flax's rule (0) the growth steps do."""
+    gradient's amax is twice its history's. With the default `grad_margin` (two bits of
+    headroom) no step's amax goes beyond e5m2's range at the scale it was quantized with, so
+    no value clips; with Flax's rule (0) the growth steps reach twice the range."""
     import optax
 
     recipe = DelayedScaling(history_length=4, amax_from="most_recent", grad_margin=grad_margin)
@@ -835,7 +835,9 @@ def test_the_loss_scales_growth_does_not_clip_the_gradients(grad_margin, clips):
         # The amax this step's gradient had, at the scale it was quantized with.
         worst.append(float(jnp.max(fp8_state.grad.amax_history[:, 0] * fp8_state.grad.scale)))
     assert float(jmp.get_loss_scale(opt_state).loss_scale) > 2.0**10  # it grew
-    assert (max(worst[2:]) > fp8_max(E5M2) * 1.01) == clips, worst
+    assert (max(worst[2:]) > fp8_max(E5M2)) == clips, worst
+    if clips:
+        assert max(worst) > 1.9 * fp8_max(E5M2), worst
 
 
 @pytest.mark.standard_promotion  # optax's MultiSteps mixes float and int
