@@ -176,6 +176,7 @@ def test_statistics_during_training_every_n_steps_without_a_host_sync():
     # Off: nothing changes; the state holds no statistics and the step's program is the same.
     off_state = off.init(params)
     assert off_state.gradient_stats is None
+    jmp.get_loss_scale(off_state)  # the gradients' scale read, as scaling them reads it
     off_jaxpr = jax.make_jaxpr(off.update)(scaled, off_state, params)
     default = jmp.loss_scaling(optax.adam(1e-3), jmp.StaticLossScale(scale), stats_every=None)
     assert str(jax.make_jaxpr(default.update)(scaled, default.init(params), params)) == str(
@@ -183,6 +184,7 @@ def test_statistics_during_training_every_n_steps_without_a_host_sync():
     )
     # On: one more cond (the collection), run every 3rd step inside the jitted step.
     state = on.init(params)
+    jmp.get_loss_scale(state)
     assert _count(jax.make_jaxpr(on.update)(scaled, state, params), "cond") == (
         _count(off_jaxpr, "cond") + 1
     )
