@@ -420,3 +420,41 @@ def test_half_parameters_with_low_precision_optimizer_are_meant():
         warnings.simplefilter("error")
         opt_state = tx.init(params)
         tx.update({"w": jnp.full(4, 2.0**14, jnp.bfloat16)}, opt_state, params)
+
+
+@pytest.mark.usefixtures("fresh_process")
+def test_nnx_gradients_from_another_nnx_jit_warn_unless_scaled():
+    """NNX in the same layout: gradients from one `nnx.jit`, `optimizer.update` in another."""
+
+    def loss_fn(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    def run(scaled):
+        model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, _scaled_tx(), wrt=nnx.Param)
+
+        @nnx.jit
+        def grads_of(optimizer, model, x):
+            if scaled:
+                grad_fn = jmp.value_and_scaled_grad(loss_fn, grad_fn=nnx.value_and_grad)
+                return grad_fn(optimizer, model, x)
+            return nnx.value_and_grad(loss_fn)(model, x)
+
+        @nnx.jit
+        def apply(optimizer, model, grads):
+            optimizer.update(model, grads)  # the line the warning names
+
+        for _ in range(2):
+            apply(optimizer, model, grads_of(optimizer, model, X[None])[1])
+        jax.effects_barrier()
+
+    from jmp_policy import _misuse, _validation
+
+    _no_warning(lambda: run(scaled=True))
+    # A new process: in this one the helper has read a scale of a state of this structure,
+    # and the check would take plain gradients for scaled ones (docs/mistakes.md says so).
+    _misuse._SCALES_READ.clear()
+    _validation._SAID.clear()
+    with pytest.warns(jmp.LossScalingWarning, match="computed in another function") as caught:
+        run(scaled=False)
+    assert [w.filename for w in caught] == [__file__]
