@@ -80,3 +80,50 @@ def _drop_var_type() -> type:
 
 DropVar = _drop_var_type()
 """The type of a jaxpr's unused outputs (`_`): `jax.extend.core.DropVar`."""
+
+
+# Private: JAX has no public API for the trace a value is being staged into. The misuse check
+# of `loss_scaling` (`_misuse`) reads it; tests/test_compat.py fails on a release that moves it.
+try:
+    from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _StagedTracer
+except ImportError:  # pragma: no cover (a release that moved it: the misuse check sees nothing)
+    _StagedTracer = None
+
+
+class StagedTrace:
+    """What a `jit` being traced has staged so far, read from the values given: `inputs`
+    (each input variable's position), `eqns` (its equations so far) and `vars` (for each tree
+    given, the variables of its traced leaves) and `untraced` (each tree's other leaves)."""
+
+    def __init__(self, inputs: dict, eqns: list, vars: list, untraced: list):
+        self.inputs, self.eqns, self.vars, self.untraced = inputs, eqns, vars, untraced
+
+
+def staged_trace(*trees: Any) -> StagedTrace | None:
+    """The `StagedTrace` of the one jaxpr trace that the traced leaves of `trees` belong to;
+    None when a tree has no such leaf, when they belong to several traces (a `cond` branch
+    inside the step), or when this JAX does not expose what is read."""
+    if _StagedTracer is None:
+        return None
+    leaves = [jax.tree.leaves(t) for t in trees]
+    traced = [[x for x in ls if isinstance(x, _StagedTracer)] for ls in leaves]
+    if not all(traced):
+        return None
+    traces = {id(getattr(x, "_trace", None)) for t in traced for x in t}
+    frame = getattr(getattr(traced[0][0], "_trace", None), "frame", None)
+    if len(traces) != 1 or frame is None or not hasattr(frame, "get_eqns"):
+        return None
+    return StagedTrace(
+        {v: i for i, v in enumerate(frame.invars)},
+        list(frame.get_eqns()),
+        [[getattr(x, "val", None) for x in t] for t in traced],
+        [len(ls) - len(t) for ls, t in zip(leaves, traced, strict=True)],
+    )
+
+
+# Private, but what `jax.core.eval_jaxpr` uses to keep names: a rewritten program keeps each
+# operation's traceback and module names (`_jaxpr.bind`); without it, names are lost.
+try:
+    from jax._src import source_info_util as source_info
+except ImportError:  # pragma: no cover
+    source_info = None

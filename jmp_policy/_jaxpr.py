@@ -44,11 +44,7 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as _primitives
 
 from jmp_policy._compat import DropVar, bind_params, jaxprs_in_params
-
-try:  # Private, but what jax.core.eval_jaxpr uses to keep names; optional.
-    from jax._src import source_info_util as _source_info
-except ImportError:  # pragma: no cover
-    _source_info = None
+from jmp_policy._compat import source_info as _source_info
 
 
 def _bound_by(fun: Callable[..., Any], *args: Any) -> Any:

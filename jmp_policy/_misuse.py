@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from jmp_policy._compat import StagedTrace, staged_trace
 from jmp_policy._validation import (
     HALF_MASTER_WEIGHTS,
     UNSCALED_ARRIVED,
@@ -37,25 +38,15 @@ def gradient_origin(grads: Any, params: Any, scale: Any) -> str | None:
     input of that step (computed in another jitted function: Flax's examples compute them in
     `apply_model` and apply them in `update_model`), `params` and `scale` being values of the
     same trace; None otherwise (computed with the scale, or nothing to see)."""
-    if computed_without(grads, params, scale):
-        return WITHOUT_SCALE
-    try:
-        from jax._src.interpreters import partial_eval as pe
-
-        leaves = jax.tree.leaves(grads)
-        traced = [x for x in leaves if isinstance(x, pe.DynamicJaxprTracer)]
-        others = [
-            x for x in jax.tree.leaves((params, scale)) if isinstance(x, pe.DynamicJaxprTracer)
-        ]
-        if not traced or len(traced) != len(leaves) or not others:
-            return None
-        trace = traced[0]._trace
-        if any(x._trace is not trace for x in traced + others):
-            return None
-        inputs = set(trace.frame.invars)
-        return ARRIVED if all(x.val in inputs for x in traced) else None
-    except Exception:  # noqa: BLE001 (JAX internals of another release: no check)
+    staged = staged_trace(grads, params, scale)
+    if staged is None:
         return None
+    if computed_without(staged):
+        return WITHOUT_SCALE
+    grad_vars = staged.vars[0]
+    if staged.untraced[0] == 0 and all(v in staged.inputs for v in grad_vars):
+        return ARRIVED
+    return None
 
 
 # The loss scaling states whose scale was read (`get_loss_scale`, `value_and_scaled_grad`)
@@ -109,47 +100,28 @@ def warn_at_first_run_if_arrived_unscaled(state: Any, first: Any) -> None:
     jax.lax.cond(first, lambda: jax.debug.callback(say), lambda: None)
 
 
-def computed_without(grads: Any, params: Any, scale: Any) -> bool:
-    """Whether `grads` were surely computed from `params` without `scale` (the loss scale of
-    the state given to `update`) in the traced step that calls `update`.
+def computed_without(staged: StagedTrace) -> bool:
+    """Whether the gradients (the first tree of `staged`) were surely computed from the
+    parameters (the second) without the scale (the third: the loss scale of the state given
+    to `update`) in the traced step that calls `update`: computed in it from the parameters'
+    inputs, and none of the inputs the scale comes from among the inputs they come from.
+    What it cannot see is no warning: eager values, values of different traces (an
+    accumulator inside `optax.MultiSteps`), no `params` (`staged_trace` gives None), and
+    gradients passed into the trace (`gradient_origin`'s `ARRIVED`)."""
+    eqns, inputs = staged.eqns, staged.inputs
 
-    True only when `grads`, `params` and `scale` are values of one jaxpr trace (a `jit`,
-    `nnx.jit`, `eqx.filter_jit` or `shard_map` step), the gradients are computed in it from
-    the parameters' inputs, and none of the inputs the scale comes from is among the inputs
-    they are computed from. Everything it cannot see is False (no warning): eager values,
-    gradients passed into the trace (`jax.jit(tx.update)`, `make_jaxpr`, `lower`,
-    `eval_shape`, an accumulator inside `optax.MultiSteps`), no `params`, values of
-    different traces, or a JAX whose tracing internals differ."""
-    try:
-        from jax._src.interpreters import partial_eval as pe
+    def progenitors(variables: list) -> set:
+        # JAX's own `find_progenitors`, for many values at once: one backward walk.
+        active = set(variables) - {None}
+        for eqn in reversed(eqns):
+            if active.intersection(eqn.outvars):
+                active.difference_update(eqn.outvars)
+                active.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+        return {inputs[v] for v in active if v in inputs}
 
-        def tracers(tree: Any) -> list:
-            return [x for x in jax.tree.leaves(tree) if isinstance(x, pe.DynamicJaxprTracer)]
-
-        grads, params, scale = tracers(grads), tracers(params), tracers(scale)
-        if not grads or not params or not scale:
-            return False
-        trace = grads[0]._trace
-        if any(x._trace is not trace for x in grads + params + scale):
-            return False
-        frame = trace.frame
-        inputs = {v: i for i, v in enumerate(frame.invars)}
-        eqns = frame.get_eqns()
-
-        def progenitors(values: list) -> set:
-            # JAX's own `find_progenitors`, for many values at once: one backward walk.
-            active = {x.val for x in values} - {None}
-            for eqn in reversed(eqns):
-                if active.intersection(eqn.outvars):
-                    active.difference_update(eqn.outvars)
-                    active.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
-            return {inputs[v] for v in active if v in inputs}
-
-        from_grads = progenitors(grads)
-        from_scale = progenitors(scale)
-        return bool(from_grads & progenitors(params)) and not from_grads & from_scale
-    except Exception:  # noqa: BLE001 (JAX internals of another release: no check)
-        return False
+    from_grads = progenitors(staged.vars[0])
+    from_scale = progenitors(staged.vars[2])
+    return bool(from_grads & progenitors(staged.vars[1])) and not from_grads & from_scale
 
 
 def _warn_if_gradients_unscaled(loss_scale: LossScale) -> None:
