@@ -7,6 +7,7 @@ API that older releases lack; nothing else in the library tests versions.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,13 +91,16 @@ except ImportError:  # pragma: no cover (a release that moved it: the misuse che
     _StagedTracer = None
 
 
+@dataclasses.dataclass(frozen=True)
 class StagedTrace:
     """What a `jit` being traced has staged so far, read from the values given: `inputs`
-    (each input variable's position), `eqns` (its equations so far) and `vars` (for each tree
+    (each input variable's position), `eqns` (its equations so far), `vars` (for each tree
     given, the variables of its traced leaves) and `untraced` (each tree's other leaves)."""
 
-    def __init__(self, inputs: dict, eqns: list, vars: list, untraced: list):
-        self.inputs, self.eqns, self.vars, self.untraced = inputs, eqns, vars, untraced
+    inputs: dict
+    eqns: list
+    vars: list
+    untraced: list
 
 
 def staged_trace(*trees: Any) -> StagedTrace | None:

@@ -235,6 +235,16 @@ def evaluate_closed(closed: Any, args: Sequence[Any], rule: Any = None) -> list:
     return evaluate(closed.jaxpr, list(closed.consts), list(args), rule)
 
 
+def producers(jaxpr: Any) -> dict:
+    """`{variable: the equation that made it}` of a jaxpr's own equations; a named value
+    (`CHECKPOINT_NAME`, the identity) maps to the equation that made what it names."""
+    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is CHECKPOINT_NAME and not isinstance(eqn.invars[0], jcore.Literal):
+            made[eqn.outvars[0]] = made.get(eqn.invars[0])
+    return made
+
+
 def within(eqn: Any, outer: Any | None) -> Any:
     """`eqn` with its name stack in full: a sub-program's equations (a scan body, a
     `custom_vjp`'s forward) name their modules relative to the equation holding them."""

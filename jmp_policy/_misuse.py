@@ -16,7 +16,6 @@ from jmp_policy._validation import (
     said,
     user_frame,
     warn_at_user_line,
-    warn_once_at,
     warn_once_per_mistake,
 )
 from jmp_policy.loss_scale import (
@@ -81,9 +80,7 @@ def warn_at_first_run_if_arrived_unscaled(state: Any, first: Any) -> None:
     loss_scale = type(state.loss_scale).__name__
 
     def say() -> None:
-        if said(UNSCALED_ARRIVED):
-            return
-        warn_once_at(
+        warn_once_per_mistake(
             UNSCALED_ARRIVED,
             "loss_scaling: the gradients given to `update` were computed in another "
             f"function, and no loss scale of this optimizer state (its {loss_scale}) was read "

@@ -128,14 +128,16 @@ def is_library_file(file_name: str) -> bool:
 _SAID: set[str] = set()
 
 
-def warn_once_per_mistake(mistake: str, message: str, category: type[Warning]) -> None:
+def warn_once_per_mistake(
+    mistake: str, message: str, category: type[Warning], where: tuple | None = None
+) -> None:
     """`warn_at_user_line`, once per process for each `mistake`: the places that can see one
     mistake (a half-precision policy at the model, then its parameters at `tx.init`) say it
     once, not once each."""
     if mistake in _SAID:
         return
     _SAID.add(mistake)
-    warn_at_user_line(message, category)
+    warn_at_user_line(message, category, where)
 
 
 def said(mistake: str) -> bool:
@@ -167,18 +169,9 @@ def user_frame() -> tuple:
     )
 
 
-def warn_at_user_line(message: str, category: type[Warning]) -> None:
+def warn_at_user_line(message: str, category: type[Warning], where: tuple | None = None) -> None:
     """`warnings.warn(message, category)` attributed to the innermost line of the user's code
-    on the stack (`user_frame`)."""
-    filename, lineno, module, registry = user_frame()
-    warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry)
-
-
-def warn_once_at(mistake: str, message: str, category: type[Warning], where: tuple) -> None:
-    """`warn_once_per_mistake` at a line found before (`user_frame`): said from a callback
-    of a running step, the line where the step was traced."""
-    if mistake in _SAID:
-        return
-    _SAID.add(mistake)
-    filename, lineno, module, registry = where
+    on the stack (`user_frame`), or to `where`, a `user_frame` found before (a warning said by
+    a callback of a running step, at the line where the step was traced)."""
+    filename, lineno, module, registry = user_frame() if where is None else where
     warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import eval_jaxpr
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy import _jaxpr, _naming
 from jmp_policy._pytree import pure_nnx, split_traced
@@ -284,10 +284,7 @@ def float32_matmuls(
     from the start.
     """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    for eqn in jaxpr.eqns:  # a named value (`_jaxpr.CHECKPOINT_NAME`): what it names
-        if eqn.primitive is _jaxpr.CHECKPOINT_NAME and not isinstance(eqn.invars[0], Literal):
-            producers[eqn.outvars[0]] = producers.get(eqn.invars[0])
+    producers = _jaxpr.producers(jaxpr)
     inputs = set(jaxpr.invars)
     for eqn in jaxpr.eqns:
         stack = "/".join(p for p in (where, str(eqn.source_info.name_stack)) if p)

@@ -382,3 +382,13 @@ class NNXBatchNormNet(nnx.Module):
 
     def __call__(self, x):
         return self.head(self.drop(self.norm(nnx.relu(self.up(x)))))
+
+
+def dot_operand_types(fun: Any, *args: Any, platform: str) -> list[tuple[str, ...]]:
+    """The operand element types ("bf16", "f32", ...) of every `dot_general` in `fun` lowered
+    for `platform` (`jax.export`: no device of that platform needed)."""
+    import re
+
+    module = jax.export.export(jax.jit(fun), platforms=[platform])(*args).mlir_module()
+    dots = [line for line in module.splitlines() if "stablehlo.dot_general" in line]
+    return [tuple(re.findall(r"tensor<(?:\d+x)*(\w+)>", d.split(" : ")[-1])[:2]) for d in dots]

@@ -15,6 +15,7 @@ from jax.extend.core.primitives import remat_p
 from models import CNN, GPT, MLP, NNXGPT, NNXBlock, residual_bytes, round_trips
 
 import jmp_policy as jmp
+from jmp_policy import _jaxpr
 from jmp_policy.activations import ACTIVATION, ISLAND, STATISTIC, WEIGHT, meet
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -123,10 +124,7 @@ def test_no_widen_op_narrow_pair_in_a_block():
         for e in program.eqns
         if e.primitive.name == "convert_element_type" and e.outvars[0].aval.dtype == jnp.float16
     ]
-    producers = {v: e for e in program.eqns for v in e.outvars}
-    for e in program.eqns:  # a value named for the backward pass: its producer's
-        if e.primitive.name == "name" and not isinstance(e.invars[0], jcore.Literal):
-            producers[e.outvars[0]] = producers.get(e.invars[0])
+    producers = _jaxpr.producers(program)  # a value named for the backward pass: its maker
     for e in narrowing:
         made = producers.get(e.invars[0])
         if made is not None and made.primitive.name in ("add", "sub", "mul"):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from models import dot_operand_types
 
 import jmp_policy as jmp
 
@@ -305,7 +306,6 @@ def test_readme_quotes_the_demos_own_figures(tmp_path):
     """README's accuracy table quotes the demo as a user runs it (`python examples/demo.py`:
     300 steps, three policies, XLA's default code generation, not the suite's faster flags,
     which round some sums differently): the validation losses it prints are README's."""
-    import re
     import subprocess
 
     readme = (ROOT / "README.md").read_text()
@@ -344,12 +344,8 @@ def test_the_demos_bfloat16_step_lowered_for_a_gpu_runs_its_matmuls_in_bfloat16(
         logits = model.apply({"params": params}, x).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    def dot_types(platform):
-        exported = jax.export.export(jax.jit(jax.grad(loss_fn)), platforms=[platform])
-        module = exported(params, x, x).mlir_module()
-        dots = [line for line in module.splitlines() if "stablehlo.dot_general" in line]
-        return [re.findall(r"tensor<(?:\d+x)*(\w+)>", d.split(" : ")[-1])[:2] for d in dots]
-
-    on_cpu, on_gpu = dot_types("cpu"), dot_types("cuda")
-    assert ["f32", "f32"] in on_cpu, on_cpu  # widened here
-    assert len(on_gpu) == len(on_cpu) and all(t == ["bf16", "bf16"] for t in on_gpu), on_gpu
+    on_cpu, on_gpu = (
+        dot_operand_types(jax.grad(loss_fn), params, x, x, platform=p) for p in ("cpu", "cuda")
+    )
+    assert ("f32", "f32") in on_cpu, on_cpu  # widened here
+    assert len(on_gpu) == len(on_cpu) and set(on_gpu) == {("bf16", "bf16")}, on_gpu

@@ -200,12 +200,7 @@ def test_equinox_and_nnx_train_steps_do_not_warn_and_their_plain_grads_do():
 
         @nnx.jit
         def step(net, optimizer, x):
-            if scaled:
-                _, grads = jmp.value_and_scaled_grad(loss_fn, grad_fn=nnx.value_and_grad)(
-                    optimizer, net, x
-                )
-            else:
-                grads = nnx.grad(loss_fn)(net, x)
+            _, grads = _nnx_value_and_grad(loss_fn, scaled)(optimizer, net, x)
             optimizer.update(net, grads)
 
         return lambda: step(net, optimizer, X)
@@ -213,6 +208,14 @@ def test_equinox_and_nnx_train_steps_do_not_warn_and_their_plain_grads_do():
     _no_warning(nnx_step(scaled=True))
     with pytest.warns(jmp.LossScalingWarning, match="nnx.value_and_grad"):
         nnx_step(scaled=False)()
+
+
+def _nnx_value_and_grad(loss_fn, scaled):
+    """`(optimizer, model, x) -> (loss, grads)`: the scaled-gradient helper's, or (the
+    mistake) plain `nnx.value_and_grad`'s."""
+    if scaled:
+        return jmp.value_and_scaled_grad(loss_fn, grad_fn=nnx.value_and_grad)
+    return lambda optimizer, model, x: nnx.value_and_grad(loss_fn)(model, x)
 
 
 def _plain_step(tx):
@@ -435,10 +438,7 @@ def test_nnx_gradients_from_another_nnx_jit_warn_unless_scaled():
 
         @nnx.jit
         def grads_of(optimizer, model, x):
-            if scaled:
-                grad_fn = jmp.value_and_scaled_grad(loss_fn, grad_fn=nnx.value_and_grad)
-                return grad_fn(optimizer, model, x)
-            return nnx.value_and_grad(loss_fn)(model, x)
+            return _nnx_value_and_grad(loss_fn, scaled)(optimizer, model, x)
 
         @nnx.jit
         def apply(optimizer, model, grads):

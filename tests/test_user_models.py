@@ -5,7 +5,6 @@ examples), `setup`-style modules, integer dtypes beside floating ones; and the w
 says when a matmul or conv still runs in float32.
 """
 
-import re
 import warnings
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from models import dot_operand_types
 from user_models import (
     LinenTransformer,
     ResNet18,
@@ -350,22 +350,14 @@ def test_a_models_own_weights_are_cast_at_their_use(integration, policy):
         assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(nnx.state(weights, nnx.Param)))
 
 
-def _dot_operand_types(step, *args, platform):
-    """The operand element types of every `dot_general` in `step` lowered for `platform`
-    (`jax.export`: no device of that platform needed)."""
-    module = jax.export.export(jax.jit(step), platforms=[platform])(*args).mlir_module()
-    dots = [line for line in module.splitlines() if "stablehlo.dot_general" in line]
-    return [tuple(re.findall(r"tensor<(?:\d+x)*(\w+)>", d.split(" : ")[-1])[:2]) for d in dots]
-
-
 def test_bfloat16_weight_gradients_are_widened_for_cpu_only():
     """XLA:CPU cannot run a bfloat16 x bfloat16 -> float32 matmul, so `jmp_policy.matmul`
     widens a weight gradient's operands, but only in the program lowered for CPU: the same
     step lowered for a GPU or a TPU runs every matmul in bfloat16."""
     loss_fn, _, params, x = _own_params_loss("linen", "mixed_bfloat16")
     step = jax.value_and_grad(loss_fn)
-    on_cpu = _dot_operand_types(step, params, x, platform="cpu")
+    on_cpu = dot_operand_types(step, params, x, platform="cpu")
     assert ("f32", "f32") in on_cpu and ("bf16", "bf16") in on_cpu, on_cpu
     for platform in ("cuda", "tpu"):
-        types = _dot_operand_types(step, params, x, platform=platform)
+        types = dot_operand_types(step, params, x, platform=platform)
         assert len(types) == len(on_cpu) and set(types) == {("bf16", "bf16")}, (platform, types)
