@@ -14,6 +14,7 @@ scale's trajectory with skipped steps marked. About 2 minutes on 2 CPU cores (12
 
     python examples/demo.py [--steps 300] [--policies float32,mixed_float16,mixed_bfloat16]
     python examples/demo.py --policies float32,mixed_bfloat16,mixed_float8  # float8 matmuls
+    python examples/demo.py --policies mixed_float8 --fp8-scaling delayed  # TE's delayed scales
     python examples/demo.py --policies float32,mixed_float16 --advice  # debug_precision's overrides
 """
 
@@ -124,10 +125,15 @@ def precision_advice(train_ids, vocab, args, dtype):
 
 def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
     policy = jmp.get_policy(policy_name)
+    seed = getattr(args, "seed", 0)
+    delayed = policy.compute_dtype.itemsize == 1 and getattr(args, "fp8_scaling", "") == "delayed"
     if policy.compute_dtype.itemsize == 1:
-        # float8 matmuls run through autocast, which scales each operand.
+        # float8 matmuls run through autocast, which scales each operand: from the operand
+        # itself (tensorwise), or from earlier steps' amaxes (delayed: a state per matmul).
         model = LanguageModel(vocab, length=args.length)
-        apply = jmp.autocast(model.apply, policy)
+        apply = jmp.autocast(
+            model.apply, policy, fp8_scaling="delayed" if delayed else "tensorwise"
+        )
     else:
         model = jmp.linen.mixed_precision(
             LanguageModel(vocab, length=args.length),
@@ -135,9 +141,11 @@ def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
             jmp.linen.NORMS_IN_FLOAT32 if overrides is None else overrides,
         )
         apply = model.apply
-    data = batches(train_ids, args.batch, args.length, seed=0)
-    x, _ = next(batches(train_ids, args.batch, args.length, seed=0))
-    params = model.init(jax.random.key(0), x)["params"]
+    data = batches(train_ids, args.batch, args.length, seed=seed)
+    x, _ = next(batches(train_ids, args.batch, args.length, seed=seed))
+    params = model.init(jax.random.key(seed), x)["params"]
+    if delayed:  # trained with the parameters: its gradient is its next value
+        params = {"params": params, "fp8_state": apply.init_fp8_state({"params": params}, x)}
     if policy.compute_dtype == jnp.float16:
         # GradScaler's start (2^16) and a short period, so the scale's climb
         # and its back-offs show within a demo-length run.
@@ -154,7 +162,11 @@ def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
     opt_state = tx.init(params)
 
     def loss_fn(params, x, y):
-        logits = apply({"params": params}, x).astype(jnp.float32)
+        if delayed:
+            logits = apply({"params": params["params"]}, x, fp8_state=params["fp8_state"])
+        else:
+            logits = apply({"params": params}, x)
+        logits = logits.astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     @jax.jit
@@ -215,7 +227,7 @@ def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
     run.skipped = len(run.skipped_at)
     run.final_scale = run.scales[-1]
     evaluate = jax.jit(loss_fn)
-    val = batches(val_ids, args.batch, args.length, seed=1)
+    val = batches(val_ids, args.batch, args.length, seed=1)  # the same batches for every run
     run.val_loss = float(
         np.mean([float(evaluate(params, *next(val))) for _ in range(args.val_batches)])
     )
@@ -363,6 +375,14 @@ def main(argv=None):
     parser.add_argument("--val-batches", type=int, default=20)
     parser.add_argument("--out", default="demo_output", help="folder for the PNG plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--seed", type=int, default=0, help="parameters and batch order")
+    parser.add_argument(
+        "--fp8-scaling",
+        choices=("tensorwise", "delayed"),
+        default="tensorwise",
+        help="mixed_float8's scales: from each operand (tensorwise) or from earlier steps' "
+        "amaxes (delayed, TransformerEngine's recipe: a state trained with the parameters)",
+    )
     parser.add_argument(
         "--advice",
         action="store_true",

@@ -15,6 +15,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jmp_policy import _jaxpr
+from jmp_policy._fp8_state import Sites, delayed_dot_general
 from jmp_policy.activations import (
     ACTIVATION,
     ISLAND,
@@ -26,6 +27,7 @@ from jmp_policy.activations import (
     weight_at_use,
 )
 from jmp_policy.fp8 import (
+    DelayedScaling,
     float8_format,
     fp8_dot_general,
     fp8_eligible,
@@ -64,8 +66,9 @@ class _Rules:
     allow: frozenset
     deny: frozenset
     # With a float8 compute dtype: eligible matmuls run as `fp8_dot_general`
-    # with these (scaling, fmt), and `compute` is bfloat16 for everything else.
-    fp8: tuple[str, str] | None = None
+    # with these (scaling, fmt), and `compute` is bfloat16 for everything else; a
+    # `DelayedScaling` scaling: as `_fp8_state.delayed_dot_general`, with `_Evaluation.sites`.
+    fp8: tuple[Any, str] | None = None
     fp8_exclude: tuple[str, ...] = ()
     # `jmp_policy.matmul`: float32 operands' gradients made in float32 (`reduce`), and
     # the matmul's result in `accumulate` (None: the compute dtype).
@@ -81,7 +84,7 @@ class _Rules:
         policy: Policy,
         allow: frozenset,
         deny: frozenset,
-        fp8: tuple[str, str],
+        fp8: tuple[Any, str],
         fp8_exclude: tuple[str, ...],
         reduce: bool = False,
         accumulate: np.dtype | None = None,
@@ -189,26 +192,34 @@ class _Evaluation:
         rules: _Rules,
         records: _Records | None = None,
         keeps: Callable[[Any], bool] | None = None,
+        sites: Sites | None = None,
     ):
         self.rules = rules
         self.keeps = keeps
+        self.sites = sites
         self._records = _Records() if records is None else records
 
     def with_rules(self, rules: _Rules) -> _Evaluation:
         """The same evaluation (what it learned so far, and will) under other rules."""
-        return _Evaluation(rules, self._records, self.keeps)
+        return _Evaluation(rules, self._records, self.keeps, self.sites)
+
+    def with_sites(self, sites: Sites | None) -> _Evaluation:
+        """The same evaluation taking its float8 matmuls' delayed-scaling states from `sites`
+        (a `scan` body's, one step of them)."""
+        return _Evaluation(self.rules, self._records, self.keeps, sites)
 
     def within_checkpoint(self, policy: Any) -> _Evaluation:
         """The evaluation of the body of the user's `jax.checkpoint` with `policy`: the
         region's own `jax.checkpoint` decides what the whole program saves (JAX applies the
         outermost policy), so inside the body only what the user's policy saves is named."""
         keeps = None if self.keeps is None else _saved_by(policy)
-        return _Evaluation(self.rules, self._records, keeps)
+        return _Evaluation(self.rules, self._records, keeps, self.sites)
 
     def naming_nothing(self) -> _Evaluation:
         """The same evaluation naming nothing `RESIDUAL`: inside a custom derivative's
         rewritten rules, whose tangents JAX transposes (a name has no transpose); the
-        custom function runs again in the backward pass where its outputs are needed."""
+        custom function runs again in the backward pass where its outputs are needed. Its
+        float8 matmuls scale currently (a custom derivative cannot close over state)."""
         return _Evaluation(self.rules, self._records, None)
 
     def kept(self, eqn: Any, outs: list) -> list:
@@ -424,9 +435,19 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
             fp8_excluded_by(where, rules.fp8_exclude) is None
         ):
             with _source_context(eqn):
-                out = fp8_dot_general(
-                    lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling, out_dtype=rules.compute
-                )
+                if not isinstance(scaling, DelayedScaling):
+                    out = fp8_dot_general(
+                        lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling,
+                        out_dtype=rules.compute,
+                    )  # fmt: skip
+                elif ev.sites is None:  # inside a custom derivative: current scaling
+                    out = fp8_dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
+                                          out_dtype=rules.compute)  # fmt: skip
+                else:
+                    state = ev.sites.state_for(eqn)
+                    out = delayed_dot_general(
+                        lhs, rhs, dimension_numbers, state, scaling, out_dtype=rules.compute
+                    )
             return [out]
     mixed_ok = eqn.primitive in _LAX_MATMULS
     if name in rules.allow and mixed_ok and (rules.reduce or rules.accumulate is not None):

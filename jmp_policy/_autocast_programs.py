@@ -274,7 +274,7 @@ def _eval_structural(ev: _Evaluation, eqn: Any, invals: list) -> list:
     # The loop or branch keeps its place in the name stack (its body's are relative to it).
     if eqn.primitive is _jaxpr.SCAN:
         with _source_context(eqn):
-            return _eval_scan(ev, params, invals)
+            return _eval_scan(ev, eqn, invals)
     if eqn.primitive is _jaxpr.WHILE:
         with _source_context(eqn):
             return _eval_while(ev, params, invals)
@@ -327,7 +327,8 @@ def _follow_weights(ev: _Evaluation, outer: list, inner: list, wide: list) -> li
     return inner
 
 
-def _eval_scan(ev: _Evaluation, params: dict, invals: list) -> list:
+def _eval_scan(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    params = eqn.params
     n_consts, n_carry = params["num_consts"], params["num_carry"]
     consts, init, xs = (
         invals[:n_consts],
@@ -337,8 +338,24 @@ def _eval_scan(ev: _Evaluation, params: dict, invals: list) -> list:
 
     wide = _wide_sources(ev, xs)
     checkpointed_body = any(e.primitive is _jaxpr.REMAT for e in params["jaxpr"].jaxpr.eqns)
+    # Float8 delayed scaling: the body's matmul states, stacked over the steps, go in
+    # beside `xs` (`_fp8_state.Sites`); while they are made, one record of them.
+    stacked, recording = (None, None) if ev.sites is None else ev.sites.scan_entry(eqn)
 
-    def body(carry, x):
+    def evaluation(sliced: Any) -> _Evaluation:
+        if ev.sites is None:
+            return ev
+        return ev.with_sites(recording if recording is not None else ev.sites.child(sliced))
+
+    def run_body(carry: list, x: list, sliced: Any) -> list:
+        inner = evaluation(sliced)
+        outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], inner)
+        if inner.sites is not None and inner.sites is not recording:
+            inner.sites.check_used()
+        return outs
+
+    def body(carry, x_and_states):
+        x, sliced = x_and_states
         x = _follow_weights(ev, xs, list(x), wide)
         # The carry each step starts from is kept for the backward pass; without it the
         # region's checkpoint runs the whole loop again to find it. A body that is the
@@ -346,7 +363,7 @@ def _eval_scan(ev: _Evaluation, params: dict, invals: list) -> list:
         if not checkpointed_body:
             carry = [ev.kept_value(c) for c in carry]
         ev.inherit([*init, *xs], [*carry, *x])
-        outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], ev)
+        outs = run_body(carry, x, sliced)
         new_carry = [_cast(o, c.dtype) for o, c in zip(outs[:n_carry], carry, strict=True)]
         return new_carry, outs[n_carry:]
 
@@ -355,11 +372,14 @@ def _eval_scan(ev: _Evaluation, params: dict, invals: list) -> list:
     # dtype, as it is between the layers of a Python loop (`activations.meet`); a carry that
     # the body keeps in float32 (a sum of losses, statistics) stays float32.
     def made(carry):
-        def run(carry, x):
-            return _eval_closed(params["jaxpr"], [*consts, *carry, *x], ev)[:n_carry]
+        def run(carry, x, sliced):
+            return run_body(carry, x, sliced)[:n_carry]
 
-        xs_one = [jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for v in xs]
-        return [o.dtype for o in jax.eval_shape(run, carry, xs_one)]
+        def one(v: Any) -> Any:
+            return jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+
+        sliced_one = jax.tree.map(one, stacked)
+        return [o.dtype for o in jax.eval_shape(run, carry, [one(v) for v in xs], sliced_one)]
 
     init = list(init)
     if any(_is_float(c) and c.dtype == _FLOAT32 and ev.kind(c) == WEIGHT for c in init):
@@ -371,7 +391,7 @@ def _eval_scan(ev: _Evaluation, params: dict, invals: list) -> list:
     carry, ys = lax.scan(
         body,
         list(init),
-        [*xs, *[w for _, w in wide]],  # a weight's cast: its float32 weight beside it
+        ([*xs, *[w for _, w in wide]], stacked),  # a weight's cast: its float32 weight beside it
         length=params["length"],
         reverse=params["reverse"],
         unroll=params["unroll"],

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy import matmul
+from jmp_policy._fp8_layers import is_delayed_dot
 from jmp_policy._pytree import split_traced
 from jmp_policy.activations import softmax_in_float32
 from jmp_policy.fp8 import Fp8DotGeneral, float8_format, fp8_layer
@@ -76,18 +77,24 @@ def take_over_matmul(
 _POLICY_FP8_DOTS = {fmt: Fp8DotGeneral(fmt) for fmt in ("hybrid", *BLOCK_FORMATS.values())}
 
 
-def fp8_dot_for(module: Any, policy: Policy, path: tuple[str, ...]) -> Any:
+def fp8_dot_for(
+    module: Any, policy: Policy, path: tuple[str, ...], delayed: Callable[[], Any] | None = None
+) -> Any:
     """The `dot_general` a layer takes under `policy`: float8's (`Fp8DotGeneral`, one per
-    format) for a Dense/Linear-like layer with Flax's default op (none given by the user)
-    under a float8 policy, except the logits head and the embedding
-    (`jmp_policy.fp8.FP8_EXCLUDE`, matched against the path); `lax.dot_general` back for a
-    layer this put in float8 and the policy no longer does; None to leave it as it is."""
+    format; with `delayed`, what it makes: the layer's delayed-scaling dot, `_fp8_layers`)
+    for a Dense/Linear-like layer with Flax's default op (none given by the user) under a
+    float8 policy, except the logits head and the embedding (`jmp_policy.fp8.FP8_EXCLUDE`,
+    matched against the path); `lax.dot_general` back for a layer this put in float8 and the
+    policy no longer does; None to leave it as it is."""
     current = getattr(module, "dot_general", _ABSENT)
     if current is _ABSENT or getattr(module, "dot_general_cls", None) is not None:
         return None
     fp8 = fp8_layer(policy.compute_dtype, "/".join(path))
-    ours = any(current is dot for dot in _POLICY_FP8_DOTS.values())  # equal is not enough
+    # Equal is not enough: the user's own Fp8DotGeneral() is theirs.
+    ours = any(current is dot for dot in _POLICY_FP8_DOTS.values()) or is_delayed_dot(current)
     if fp8 and (current in (None, jax.lax.dot_general) or ours):
+        if delayed is not None:
+            return None if is_delayed_dot(current) else delayed()
         return _POLICY_FP8_DOTS[float8_format(policy.compute_dtype)]
     if not fp8 and ours:
         return jax.lax.dot_general

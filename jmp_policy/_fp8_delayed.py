@@ -270,7 +270,7 @@ def merge_microbatch(opt_state: Any, new: Any, old: Any) -> Any:
     """
     import optax
 
-    from jmp_policy.transform import find_states
+    from jmp_policy._pytree import find_states
 
     found = find_states(opt_state, optax.MultiStepsState)
     if len(found) != 1:

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 C = TypeVar("C", bound=type)
+T = TypeVar("T")
 
 
 def leaf_names(cls: type) -> tuple[str, ...]:
@@ -156,3 +157,23 @@ def pure_nnx(args: tuple) -> tuple[tuple, Callable[[Sequence[Any]], tuple]]:
         )
 
     return tuple(pure), merge
+
+
+def find_states(opt_state: Any, cls: type[T]) -> list[T]:
+    """Every `cls` inside `opt_state`: a pytree of states (`optax.chain`, `MultiSteps`,
+    `inject_hyperparams`, ...), a Flax `TrainState` or an `nnx.Optimizer`."""
+    tree = optimizer_state_of(opt_state)
+    return [
+        x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, cls)) if isinstance(x, cls)
+    ]
+
+
+def optimizer_state_of(obj: Any) -> Any:
+    # Without Flax loaded, `obj` cannot be an nnx.Optimizer: do not import it.
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(obj, nnx.Optimizer):
+        # nnx wraps every leaf of the optax state in a Variable; unwrap them.
+        from jmp_policy._compat import pure
+
+        return pure(obj.opt_state)
+    return obj

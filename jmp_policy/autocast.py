@@ -54,11 +54,12 @@ from jmp_policy._autocast_ops import ALLOW as ALLOW  # the op lists, exported he
 from jmp_policy._autocast_ops import DENY as DENY
 from jmp_policy._autocast_ops import NO_HALF_KERNEL as NO_HALF_KERNEL
 from jmp_policy._autocast_programs import _eval_closed
+from jmp_policy._fp8_state import Sites, checked_scaling
 from jmp_policy._pytree import is_traced_leaf, nnx_graphdefs, write_back, written_back
 from jmp_policy.fp8 import (
     FORMATS,
     FP8_EXCLUDE,
-    SCALINGS,
+    DelayedScaling,
 )
 from jmp_policy.matmul import check_accumulate_dtype, check_reduce_dtype
 from jmp_policy.overrides import FULL_PRECISION_REGION
@@ -107,7 +108,43 @@ class _Autocast:
         self._region_name = region_name
         self._cache: dict = {}
 
-    def _program(self, args, kwargs, graphdefs=None):
+    @property
+    def _recipe(self) -> DelayedScaling | None:
+        fp8 = self._rules.fp8
+        return fp8[0] if fp8 is not None and isinstance(fp8[0], DelayedScaling) else None
+
+    def init_fp8_state(self, *args, **kwargs) -> tuple:
+        """The delayed-scaling state of this call's float8 matmuls (an autocast function with
+        a `DelayedScaling` recipe): a tuple, one `Fp8DotState` per matmul in the order the
+        program runs them (a `scan`'s: one tuple, stacked over its steps). Pass it as
+        `fp8_state=` and differentiate with respect to it; a `loss_scaling` optimizer writes
+        its gradient, the next state (docs/fp8.md)."""
+        recipe = self._recipe
+        if recipe is None:
+            raise ValueError(
+                "init_fp8_state is for an autocast function under a float8 policy with a "
+                "DelayedScaling recipe (`fp8_scaling=jmp_policy.fp8.DelayedScaling(...)`); "
+                "this one scales currently and has no state."
+            )
+        graphdefs = nnx_graphdefs(args)
+        if graphdefs:
+            from flax import nnx
+
+            args = tuple(nnx.state(a) if i in graphdefs else a for i, a in enumerate(args))
+        arrays, (_, _, closed) = self._program(args, kwargs, graphdefs or None)
+        sites = Sites(recipe)
+
+        def run(*flat):
+            ev = _Evaluation(self._rules, sites=sites)
+            try:
+                _eval_closed(closed, list(flat), ev)
+            finally:
+                ev.close()
+
+        jax.eval_shape(run, *arrays)
+        return sites.build()
+
+    def _program(self, args, kwargs, graphdefs=None, fp8_state=None):
         """`(traced leaves, (region, out_tree, closed jaxpr))` of a call; with `graphdefs`
         (`_pytree.nnx_graphdefs`), of `fun` on those NNX modules' states, also returning
         their states as the call left them."""
@@ -134,15 +171,22 @@ class _Autocast:
         # Traced again while the debugger names NNX/Equinox modules (`_naming`): a program
         # built before has no module paths in its name stacks.
         nnx_key = None if graphdefs is None else tuple(graphdefs.items())
+        # Float8 delayed scaling: the matmuls' states go in after the arrays.
+        state_leaves, state_tree = jax.tree.flatten(fp8_state)
+        state_key = tuple((np.shape(x), jnp.result_type(x)) for x in state_leaves)
         key = (in_tree, specs, varying, static_args, static_kwargs, _naming.active(), nnx_key)
+        key = (*key, fp8_state is None, state_tree, state_key)
         if key not in self._cache:
             fun = self._fun if graphdefs is None else written_back(self._fun, graphdefs)
             self._cache[key] = self._build(
-                fun, in_tree, specs, arrays, dict(static_args), dict(static_kwargs), len(args)
-            )
-        return arrays, self._cache[key]
+                fun, in_tree, specs, arrays, dict(static_args), dict(static_kwargs), len(args),
+                None if fp8_state is None else state_tree,
+            )  # fmt: skip
+        return [*arrays, *state_leaves], self._cache[key]
 
-    def _build(self, fun, in_tree, specs, arrays, static_args, static_kwargs, n_args):
+    def _build(
+        self, fun, in_tree, specs, arrays, static_args, static_kwargs, n_args, state_tree=None
+    ):
         def flat_fun(*arrays):
             given = iter(arrays)
             flat = [next(given) if isinstance(s, jax.ShapeDtypeStruct) else s.value for s in specs]
@@ -165,16 +209,26 @@ class _Autocast:
         # again from them, as the Linen policy's are.
         checkpointed = not rules.at_use and rules.compute != _FLOAT32
 
+        n_state = 0 if state_tree is None else state_tree.num_leaves
+        recipe = self._recipe
+
         def region(*flat):
+            flat, state = flat[: len(flat) - n_state], flat[len(flat) - n_state :]
             if cast_inputs:
                 flat = [_cast(x, rules.compute) for x in flat]
-            ev = _Evaluation(rules, keeps=_jaxpr.kept_for_backward if checkpointed else None)
+            sites = None
+            if state_tree is not None and recipe is not None:
+                sites = Sites(recipe, jax.tree.unflatten(state_tree, state))
+            keeps = _jaxpr.kept_for_backward if checkpointed else None
+            ev = _Evaluation(rules, keeps=keeps, sites=sites)
             for weight in flat[:n_weights] if rules.reduce else ():
                 ev.add_weight(weight)
             try:
                 outs = _eval_closed(closed, list(flat), ev)
             finally:
                 ev.close()
+            if sites is not None:
+                sites.check_used()
             if rules.at_use:
                 return outs  # the output dtypes as traced
             return [_cast(o, rules.output) for o in outs]
@@ -188,16 +242,26 @@ class _Autocast:
         return jax.jit(region), out_tree, closed
 
     def __call__(self, *args, **kwargs):
+        state = None
+        if self._recipe is not None:
+            state = kwargs.pop("fp8_state", None)
+            if not isinstance(state, tuple):
+                raise ValueError(
+                    "Expected the delayed-scaling state of this autocast function's float8 "
+                    f"matmuls for `fp8_state`, got {type(state).__name__}: make it with "
+                    "`state = f.init_fp8_state(*args)`, call `f(*args, fp8_state=state)` and "
+                    "differentiate with respect to it (docs/fp8.md)."
+                )
         graphdefs = nnx_graphdefs(args)
         if not graphdefs:
-            flat, (region, out_tree, _) = self._program(args, kwargs)
+            flat, (region, out_tree, _) = self._program(args, kwargs, fp8_state=state)
             return jax.tree.unflatten(out_tree, region(*flat))
         # NNX modules go in as their states and come back written (BatchNorm's statistics,
         # Dropout's RNG counts), as under `nnx.jit`.
         from flax import nnx
 
         pure = tuple(nnx.state(a) if i in graphdefs else a for i, a in enumerate(args))
-        flat, (region, out_tree, _) = self._program(pure, kwargs, graphdefs)
+        flat, (region, out_tree, _) = self._program(pure, kwargs, graphdefs, state)
         out, states = jax.tree.unflatten(out_tree, region(*flat))
         write_back(args, graphdefs, states)
         return out
@@ -283,8 +347,12 @@ def autocast(
       static_argnames: names of keyword arguments that are static.
       fp8_scaling: with a float8 policy (`"mixed_float8"`), how the matmul
         operands are scaled: "tensorwise" or "rowwise" (current scaling,
-        `jmp_policy.fp8.fp8_dot_general`). Ignored otherwise.
-      fp8_format: with a float8 policy, "hybrid" (e5m2 gradients) or "e4m3".
+        `jmp_policy.fp8.fp8_dot_general`), or a `jmp_policy.fp8.DelayedScaling`
+        recipe ("delayed": the default one): scales from earlier steps' amaxes, a
+        state per matmul that the function then takes as `fp8_state=` (made by
+        its `init_fp8_state(*args)`; docs/fp8.md). Ignored otherwise.
+      fp8_format: with a float8 policy, "hybrid" (e5m2 gradients) or "e4m3" (with a
+        `DelayedScaling`, its own `fmt` decides).
       fp8_exclude: with a float8 policy, regular expressions for module names
         (each matched against every component of a module path) whose
         matmuls stay in bfloat16; default `jmp_policy.fp8.FP8_EXCLUDE`, the
@@ -320,14 +388,13 @@ def autocast(
     both = sorted(allow & deny)
     if both:
         raise ValueError(f"Primitives {both} are in both `allow` and `deny`; pick one.")
-    if fp8_scaling not in SCALINGS:
-        raise ValueError(
-            f"Unknown `fp8_scaling` {fp8_scaling!r}: expected one of {', '.join(SCALINGS)}."
-        )
     if fp8_format not in FORMATS:
         raise ValueError(
             f"Unknown `fp8_format` {fp8_format!r}: expected 'hybrid' (e5m2 gradients) or 'e4m3'."
         )
+    fp8_scaling = checked_scaling(fp8_scaling, policy)
+    if isinstance(fp8_scaling, DelayedScaling):
+        fp8_format = fp8_scaling.fmt
     if isinstance(fp8_exclude, str) or not all(isinstance(p, str) for p in fp8_exclude):
         raise TypeError(
             "Expected a tuple of regular expressions for `fp8_exclude`, e.g. ('head',), got "

@@ -24,7 +24,9 @@ from typing import Any
 import equinox as eqx
 
 from jmp_policy import _naming
+from jmp_policy._fp8_state import checked_scaling
 from jmp_policy.autocast import autocast, full_precision
+from jmp_policy.fp8 import DelayedScaling
 from jmp_policy.overrides import Overrides
 from jmp_policy.policy import Policy, check_model_policy
 from jmp_policy.scaled_grad import value_and_scaled_grad
@@ -35,10 +37,10 @@ def _call(model: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @functools.cache
-def _call_under(policy: Policy) -> Callable[..., Any]:
+def _call_under(policy: Policy, fp8_scaling: Any = "tensorwise") -> Callable[..., Any]:
     # One autocast function per policy: its program cache is shared by every
     # model run under that policy.
-    return autocast(_call, policy)
+    return autocast(_call, policy, fp8_scaling=fp8_scaling)
 
 
 _IN_FLOAT32 = full_precision(_call)
@@ -50,17 +52,45 @@ class MixedPrecision(eqx.Module):
     Attributes:
       model: the wrapped model, its floating arrays in the policy's `param_dtype`.
       policy: the policy (static).
+      fp8_scaling: under a float8 policy, "tensorwise", "rowwise" or a
+        `jmp_policy.fp8.DelayedScaling` recipe (static).
+      fp8_state: with a `DelayedScaling` recipe, the float8 matmuls' scales and amax
+        histories (`init_fp8_state`): floating arrays that `eqx.filter_grad`
+        differentiates, their gradient the next state, which a `loss_scaling`
+        optimizer writes (docs/fp8.md). None otherwise.
     """
 
     model: Any
     policy: Policy = eqx.field(static=True)
+    fp8_scaling: Any = eqx.field(static=True, default="tensorwise")
+    fp8_state: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _call_under(self.policy)(self.model, *args, **kwargs)
+        run = _call_under(self.policy, self.fp8_scaling)
+        if not isinstance(self.fp8_scaling, DelayedScaling):
+            return run(self.model, *args, **kwargs)
+        if self.fp8_state is None:
+            raise ValueError(
+                "This mixed_float8 model scales with a DelayedScaling recipe and has no state "
+                "yet: `model = model.init_fp8_state(*example_args)` (the arguments of one call)."
+            )
+        return run(self.model, *args, fp8_state=self.fp8_state, **kwargs)
+
+    def init_fp8_state(self, *args: Any, **kwargs: Any) -> MixedPrecision:
+        """The model with a fresh delayed-scaling state for its float8 matmuls, made from the
+        arguments of one call (one example, for a model run under `jax.vmap`)."""
+        run = _call_under(self.policy, self.fp8_scaling)
+        if not isinstance(self.fp8_scaling, DelayedScaling):
+            raise ValueError(
+                "init_fp8_state is for a float8 policy with a DelayedScaling recipe "
+                "(`mixed_precision(model, 'mixed_float8', fp8_scaling=DelayedScaling())`)."
+            )
+        state = run.init_fp8_state(self.model, *args, **kwargs)  # pyright: ignore
+        return eqx.tree_at(lambda m: m.fp8_state, self, state, is_leaf=lambda x: x is None)
 
     def __getattr__(self, name: str) -> Any:
         # Only for names the wrapper does not have: `wrapped.layers` reads `model.layers`.
-        if name.startswith("__") or name in ("model", "policy"):
+        if name.startswith("__") or name in ("model", "policy", "fp8_scaling", "fp8_state"):
             raise AttributeError(name)  # not set yet (while Equinox builds the module)
         return getattr(self.model, name)
 
@@ -107,7 +137,11 @@ def _at(tree: Any, keys: tuple) -> Any:
 
 
 def mixed_precision(
-    model: Any, policy: Policy | str = "mixed_float16", overrides: Mapping[Any, Any] | None = None
+    model: Any,
+    policy: Policy | str = "mixed_float16",
+    overrides: Mapping[Any, Any] | None = None,
+    *,
+    fp8_scaling: Any = "tensorwise",
 ) -> MixedPrecision:
     """Applies `policy` to an Equinox model (any pytree that is callable).
 
@@ -120,6 +154,9 @@ def mixed_precision(
         names and `advice()["overrides"]`). A part overridden with a float32 policy runs as
         a `full_precision` region. Default: none (normalisation statistics, softmax and
         the other float32-list operations run in float32 without one).
+      fp8_scaling: under a float8 policy, "tensorwise" (default), "rowwise", or a
+        `jmp_policy.fp8.DelayedScaling` recipe ("delayed": the default one); then make
+        the state with `model = model.init_fp8_state(*example_args)` (docs/fp8.md).
 
     Returns:
       A new `MixedPrecision` module (Equinox models are immutable: write
@@ -154,7 +191,8 @@ def mixed_precision(
         model = model.model
     if rules.patterns or rules.classes:
         model = _with_overrides(model, rules)
-    return MixedPrecision(policy.cast_to_param(model), policy)
+    scaling = checked_scaling(fp8_scaling, policy)
+    return MixedPrecision(policy.cast_to_param(model), policy, scaling)
 
 
 def filter_value_and_scaled_grad(

@@ -36,6 +36,7 @@ from jmp_policy._flax_layers import (
     recomputes,
     take_over_matmul,
 )
+from jmp_policy._fp8_layers import LinenDelayedDot, layer_recipe
 from jmp_policy._linen_paths import Paths, guessed_paths, keys_of, params_and_rest
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
@@ -71,6 +72,7 @@ class MixedPrecisionModule:
         overrides: Mapping[Any, Policy],
         reduce_dtype: Any = jnp.float32,
         accumulate_dtype: Any = None,
+        fp8_scaling: Any = "tensorwise",
     ):
         if not isinstance(module, nn.Module):
             raise TypeError(
@@ -81,6 +83,7 @@ class MixedPrecisionModule:
         self.overrides = Overrides(overrides, nn.Module)
         self.reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
         self.accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)
+        self.fp8_recipe = layer_recipe(fp8_scaling, self.policy)
         # Per call signature: what a run of the model showed (`Paths`): each module path's
         # policy, needed to cast each parameter for its module before the call.
         self._path_policies: dict[Any, Paths] = {}
@@ -112,10 +115,18 @@ class MixedPrecisionModule:
             module = context.module
             path = tuple(module.scope.path) if module.scope is not None else ()
             policy = self._policy_for(path, module)
+            delayed = None
+            if self.fp8_recipe is not None:
+                recipe = self.fp8_recipe
+                delayed = lambda: LinenDelayedDot(module, recipe)  # noqa: E731
             if record is not None:
                 # A recording pass (init, or learning the module paths) only
-                # needs the structure: it runs the module as written.
+                # needs the structure: it runs the module as written, except that
+                # float8 delayed scaling makes its layers' state.
                 record.note(path, module, policy)
+                fp8_dot = None if delayed is None else fp8_dot_for(module, policy, path, delayed)
+                if fp8_dot is not None:
+                    object.__setattr__(module, "dot_general", fp8_dot)
                 self._stack.append(policy)
                 try:
                     return next_fun(*args, **kwargs)
@@ -123,7 +134,7 @@ class MixedPrecisionModule:
                     self._stack.pop()
             if self._seen is not None:
                 self._seen.note(path, module, policy)
-            fp8_dot = fp8_dot_for(module, policy, path)
+            fp8_dot = fp8_dot_for(module, policy, path, delayed)
             if fp8_dot is not None:  # the bound module is a per-call clone
                 object.__setattr__(module, "dot_general", fp8_dot)
             cast = casting_policy(policy)
@@ -419,6 +430,7 @@ def mixed_precision(
     *,
     reduce_dtype: Any = jnp.float32,
     accumulate_dtype: Any = None,
+    fp8_scaling: Any = "tensorwise",
 ) -> MixedPrecisionModule:
     """Applies `policy` to an unmodified Linen module.
 
@@ -445,6 +457,12 @@ def mixed_precision(
       accumulate_dtype: e.g. float32: those matmuls return their sum in
         this dtype (`preferred_element_type`), the bias is added in it, and
         the layer's output stays in it. None (default): the compute dtype.
+      fp8_scaling: under a float8 policy, "tensorwise" (current scaling, the
+        default) or a `jmp_policy.fp8.DelayedScaling` recipe ("delayed": the
+        default one): each float8 layer keeps its scales and amax histories in
+        the `"fp8_state"` collection, made by `init`; differentiate with respect
+        to it too and update with a `loss_scaling` optimizer, which writes its
+        gradient, the next state (docs/fp8.md).
 
     The policy decides every module's compute dtype: a floating (or unset)
     `dtype` field, given explicitly (`dtype=self.dtype`, `dtype=config.dtype`)
@@ -474,4 +492,6 @@ def mixed_precision(
       >>> kernel.dtype, mixed.apply(variables, jnp.ones((1, 4))).dtype
       (dtype('float32'), dtype('float32'))
     """
-    return MixedPrecisionModule(module, policy, overrides, reduce_dtype, accumulate_dtype)
+    return MixedPrecisionModule(
+        module, policy, overrides, reduce_dtype, accumulate_dtype, fp8_scaling
+    )

@@ -32,6 +32,7 @@ from jmp_policy._flax_layers import (
     recomputes,
     take_over_matmul,
 )
+from jmp_policy._fp8_layers import NnxDelayedDot, layer_recipe
 from jmp_policy._pytree import signature
 from jmp_policy.autocast import cast_at_use
 from jmp_policy.census import traced_once, warn_float32_matmuls
@@ -189,6 +190,7 @@ def mixed_precision(
     *,
     reduce_dtype: Any = jnp.float32,
     accumulate_dtype: Any = None,
+    fp8_scaling: Any = "tensorwise",
 ) -> nnx.Module:
     """Applies `policy` to an NNX model in place, and returns it.
 
@@ -220,6 +222,12 @@ def mixed_precision(
       accumulate_dtype: e.g. float32: those matmuls return their sum in this
         dtype (`preferred_element_type`), the bias is added in it, and the
         layer's output stays in it. None (default): the compute dtype.
+      fp8_scaling: under a float8 policy, "tensorwise" (current scaling, the
+        default) or a `jmp_policy.fp8.DelayedScaling` recipe ("delayed": the
+        default one): each float8 layer's `dot_general` becomes a submodule
+        holding its scales and amax histories as an `Fp8State` (an `nnx.Param`:
+        `nnx.grad` differentiates it, and a `loss_scaling` optimizer writes its
+        gradient, the next state; docs/fp8.md).
 
     Returns:
       `model`, changed in place: its class becomes a subclass that casts at
@@ -248,6 +256,8 @@ def mixed_precision(
     rules = Overrides(overrides, nnx.Module)
     reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
     accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)
+    recipe = layer_recipe(fp8_scaling, policy)
+    delayed = None if recipe is None else (lambda: NnxDelayedDot(recipe))
     modules = {
         tuple(str(p) for p in path): node
         for path, node in nnx.iter_graph(model)
@@ -263,7 +273,7 @@ def mixed_precision(
         own = rules.own_policy(path, module)
         resolved[path] = own or resolved.get(parent, policy)
         _take_back_hooks(module)
-        _apply_to_module(module, resolved[path], path)
+        _apply_to_module(module, resolved[path], path, delayed)
         out_dtype = (
             None  # a float8 policy's layers are float8's (`fp8_dot_for`)
             if resolved[path].compute_dtype.itemsize == 1
@@ -435,16 +445,20 @@ def revert_if_skipped(model: nnx.Module, optimizer: nnx.Optimizer) -> Iterator[N
         set_variable_value(after[path], value)
 
 
-def _apply_to_module(module: nnx.Module, policy: Policy, path: tuple[str, ...]) -> None:
+def _apply_to_module(
+    module: nnx.Module, policy: Policy, path: tuple[str, ...], delayed: Any = None
+) -> None:
     # setattr: Flax's layers declare these attributes, nnx.Module does not.
     compute = casting_policy(policy).compute_dtype
     given = getattr(module, "dtype", _ABSENT)
     if given is not _ABSENT and is_compute_dtype(given):
         # An integer or bool `dtype` (indices, masks) is the model's, not the policy's.
         setattr(module, "dtype", compute)  # noqa: B010
-    fp8_dot = fp8_dot_for(module, policy, path)  # float8's, or Flax's back
+    fp8_dot = fp8_dot_for(module, policy, path, delayed)  # float8's, or Flax's back
     if fp8_dot is not None:
-        setattr(module, "dot_general", fp8_dot)  # noqa: B010
+        # A delayed-scaling dot is a submodule (its state is data); the others are static.
+        wrap = nnx.data if isinstance(fp8_dot, nnx.Module) else nnx.static
+        setattr(module, "dot_general", wrap(fp8_dot))  # noqa: B010
     half = compute != jnp.float32
     if half and getattr(module, "attention_fn", None) is nnx.dot_product_attention:
         setattr(module, "attention_fn", attention_with_float32_softmax)  # noqa: B010

@@ -9,7 +9,6 @@ and leaves the inner state exactly as it was), and only then adjusts S.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Hashable
 from typing import Any, NamedTuple, TypeVar
 
@@ -20,7 +19,7 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
-from jmp_policy._compat import pure
+from jmp_policy._fp8_state import split_states, without_states, written
 from jmp_policy._gradient_stats import GradientStats, empty_gradient_stats, gradient_stats
 from jmp_policy._leaf_flags import LeafFlags as LeafFlags  # exported here
 from jmp_policy._leaf_flags import host_value as host_value
@@ -34,6 +33,7 @@ from jmp_policy._misuse import (
     warn_at_first_run_if_arrived_unscaled,
 )
 from jmp_policy._misuse import LossScalingWarning as LossScalingWarning  # exported here
+from jmp_policy._pytree import find_states as find_states  # exported here
 from jmp_policy._spikes import SKIP_CAUSES as SKIP_CAUSES  # exported here
 from jmp_policy._spikes import SkipSpikes as SkipSpikes
 from jmp_policy._spikes import SpikeStats, _judge_spike
@@ -244,6 +244,7 @@ def loss_scaling(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
+        params = without_states(params)  # float8 state is written, not optimized
         inner_state = inner.init(params)
         _warn_if_half_master_weights(params, inner_state)
         # Every leaf its own buffer: a donated state may not hold one twice.
@@ -268,6 +269,17 @@ def loss_scaling(
         )
 
     def update_fn(updates, state, params=None, value=None, **extra_args):
+        # Float8 delayed-scaling state (`_fp8_state`): its gradient is its next value,
+        # written unless the step is skipped, never given to `inner`.
+        split = split_states(updates)
+        if split is None:
+            return _update(updates, state, params, value, **extra_args)[:2]
+        new_updates, new_state, applied = _update(
+            split[0], state, without_states(params), value, **extra_args
+        )
+        return written(new_updates, split[1:], params, applied), new_state
+
+    def _update(updates, state, params=None, value=None, **extra_args):
         _check_state(state)
         if params is not None:  # static dtypes: said while the first step traces
             _warn_if_half_master_weights(params, state.inner_state, where="update")
@@ -350,7 +362,7 @@ def loss_scaling(
             gradient_stats=stats,
             spike_stats=spikes,
         )
-        return new_updates, new_state
+        return new_updates, new_state, applied
 
     # LossScalingState is an optax state (a pytree); optax's aliases do not say so.
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
@@ -379,15 +391,6 @@ def _run_if_finite(finite, apply, grads, inner_state):
     return lax.cond(finite, run, skip, grads, inner_state)
 
 
-def find_states(opt_state: Any, cls: type[T]) -> list[T]:
-    """Every `cls` inside `opt_state`: a pytree of states (`optax.chain`, `MultiSteps`,
-    `inject_hyperparams`, ...), a Flax `TrainState` or an `nnx.Optimizer`."""
-    tree = _optimizer_state_of(opt_state)
-    return [
-        x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, cls)) if isinstance(x, cls)
-    ]
-
-
 def find_loss_scaling_state(opt_state: Any) -> LossScalingState:
     """Returns the `LossScalingState` inside `opt_state`, wherever it sits.
 
@@ -408,15 +411,6 @@ def find_loss_scaling_state(opt_state: Any) -> LossScalingState:
             "sit inside optax.chain, MultiSteps or inject_hyperparams)."
         )
     return found[0]
-
-
-def _optimizer_state_of(obj: Any) -> Any:
-    # Without Flax loaded, `obj` cannot be an nnx.Optimizer: do not import it.
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is not None and isinstance(obj, nnx.Optimizer):
-        # nnx wraps every leaf of the optax state in a Variable; unwrap them.
-        return pure(obj.opt_state)
-    return obj
 
 
 def unless_skipped(opt_state: Any, new: T, old: T) -> T:

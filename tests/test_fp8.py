@@ -631,7 +631,7 @@ def test_autocast_fp8_scaling_and_format_options():
             gradient_dtype = "float8_e5m2" if fmt == "hybrid" else "float8_e4m3fn"
             assert counts.get(gradient_dtype, 0) >= 4, counts
     with pytest.raises(ValueError, match="`fp8_scaling`"):
-        jmp.autocast(loss, "mixed_float8", fp8_scaling="delayed")
+        jmp.autocast(loss, "mixed_float8", fp8_scaling="sideways")  # "delayed" is a recipe
     with pytest.raises(ValueError, match="`fp8_format`"):
         jmp.autocast(loss, "mixed_float8", fp8_format="e5m2")
 
