@@ -1,6 +1,7 @@
 """What a run of a Linen model under a policy showed about its modules (`Paths`): each
 module path's policy, which layers cast their own parameters, which modules' matmuls are not
-taken over; and the guess a first call makes without an earlier run (`guessed_paths`)."""
+taken over. A first call without an earlier run learns them from one abstract recording run
+(`MixedPrecisionModule._learn_paths`), not from the parameters' names."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import dataclasses
 from typing import Any
 
 import flax.linen as nn
-import jax
 
 from jmp_policy._flax_layers import TAKEN_OVER
 from jmp_policy.policy import Policy
@@ -17,10 +17,6 @@ from jmp_policy.policy import Policy
 def keys_of(path: tuple) -> tuple[str, ...]:
     """A parameter's path in the variables (dict keys or attribute names) as strings."""
     return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
-
-
-LAYER_PARAMS = frozenset({"kernel", "bias", "embedding", "scale"})
-"""The names Flax's layers (Dense, Conv, Embed, the norms) give their parameters."""
 
 
 def params_and_rest(variables: dict) -> tuple[Any, dict]:
@@ -56,24 +52,3 @@ class Paths:
     def policy_of(self, module_path: tuple[str, ...], default: Policy) -> Policy:
         owner = self.owner(module_path)
         return default if owner is None else self.policies[owner]
-
-
-def guessed_paths(variables: dict, policy: Policy) -> Paths:
-    """Paths for a first call without an earlier run (parameters restored in a new
-    process), guessed from the parameters' names: a module holding only the names Flax's
-    layers give theirs (`LAYER_PARAMS`) casts its own (they go in as stored; a float32
-    island's are float32 already); a module holding another is taken to use it itself,
-    under the model's policy (cast where used: `cast_at_use`). The call checks the guess
-    against the modules it ran."""
-    names: dict[tuple[str, ...], set[str]] = {}
-    for path, _ in jax.tree_util.tree_leaves_with_path(variables.get("params", {})):
-        keys = keys_of(path)
-        names.setdefault(keys[:-1], set()).add(keys[-1])
-    guess = Paths()
-    for module, held in names.items():
-        if held <= LAYER_PARAMS:
-            guess.cast_at_use.add(module)
-        else:
-            guess.policies[module] = policy
-            guess.not_taken_over.add(module)
-    return guess

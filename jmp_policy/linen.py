@@ -37,7 +37,7 @@ from jmp_policy._flax_layers import (
     take_over_matmul,
 )
 from jmp_policy._fp8_layers import LinenDelayedDot, layer_recipe
-from jmp_policy._linen_paths import Paths, guessed_paths, keys_of, params_and_rest
+from jmp_policy._linen_paths import Paths, keys_of, params_and_rest
 from jmp_policy._pytree import signature, split_traced
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
 from jmp_policy.census import traced_once, warn_float32_matmuls
@@ -278,20 +278,16 @@ class MixedPrecisionModule:
             out = self._call(key, paths, *call)
         else:
             # The first call with this signature runs the model once: the program it traces
-            # serves the float32-matmul check and the call. The paths it was given (an
-            # earlier run's) are checked against the modules it ran.
-            guess = self._borrowed_paths(key, method) or guessed_paths(variables, self.policy)
-            found = None
-            try:
-                found = self._first_trace(key, guess, *call)
-            except Exception:  # paths that do not fit this call (an error of the model's
-                pass  # own is raised by the run below)
-            if found is None:
-                guess = self._learn_paths(variables, args, kwargs, method)
-                found = self._first_trace(key, guess, *call)
-            paths, traced, first = found
-            if self._plan(guess, variables, paths) != self._plan(paths, variables, paths):
-                _, traced, first = self._first_trace(key, paths, *call)  # a wrong guess
+            # serves the float32-matmul check and the call. The paths it is given are an
+            # earlier run's (`init`'s, another signature's); without one (parameters restored
+            # in a new process), one abstract recording run of the model finds them exactly.
+            given = self._borrowed_paths(key, method)
+            if given is None:
+                given = self._learn_paths(variables, args, kwargs, method)
+            paths, traced, first = self._first_trace(key, given, *call)
+            if self._plan(given, variables, paths) != self._plan(paths, variables, paths):
+                # Another signature's paths, and this call ran other modules (e.g. a flag).
+                _, traced, first = self._first_trace(key, paths, *call)
             self._path_policies[key] = paths
             self._checked.add(key)
             self.overrides.warn_unmatched()

@@ -497,13 +497,13 @@ def test_linen_first_call_runs_the_model_once():
     rngs = {"dropout": jax.random.key(1)}
     jax.jit(lambda v, x: mixed.apply(v, x, train=True, rngs=rngs))(variables, jnp.ones((8, 6)))
     assert runs.flags == [True]
-    # Without an earlier run (parameters restored in a new process): one run too, the
-    # parameters going in as stored (Flax's layers cast their own; the LayerNorm's float32
-    # island takes them as they are), and the same results.
+    # Without an earlier run (parameters restored in a new process): one abstract recording
+    # run finds the module paths exactly (no guess from the parameters' names), then the
+    # call runs once, with the same results.
     fresh_runs = _Runs()
     fresh = jmp.linen.mixed_precision(_Counted(fresh_runs), "mixed_float16")
     out = jax.jit(lambda v, x: fresh.apply(v, x))(variables, x)
-    assert fresh_runs.flags == [False]
+    assert fresh_runs.flags == [False, False]
     np.testing.assert_array_equal(out, mixed.apply(variables, x))
 
 
@@ -520,21 +520,20 @@ class _OwnMatmul(nn.Module):
         return nn.LayerNorm()(x @ w)
 
 
-@pytest.mark.standard_promotion  # JAX's default: the wrong guess's trace runs (in float32)
-@pytest.mark.parametrize(("name", "runs"), [("w", 1), ("kernel", 2)])
-def test_linen_first_call_without_an_earlier_run_guesses_the_casts_and_checks_them(name, runs):
-    """Without an earlier run the first call guesses from the parameters' names which modules
-    cast their own (Flax's layers: kernel, bias, embedding, scale) and which use theirs
-    themselves (cast where used, `cast_at_use`); it checks the guess against the modules it
-    ran. Right (`w`): one run. Wrong (a module's own `kernel`): traced again. Either way the
-    result is the one after `init`, the weight in float16 at its matmul."""
+@pytest.mark.parametrize("name", ["w", "kernel"])
+def test_linen_first_call_without_an_earlier_run_learns_the_paths_exactly(name):
+    """Without an earlier run the first call learns which modules cast their own parameters
+    and which use theirs themselves (cast where used, `cast_at_use`) from one abstract
+    recording run, then runs the call: two runs, whatever the parameters are named (a
+    module's own `kernel`, a name Flax's layers use, too). The result is the one after
+    `init`, the weight in float16 at its matmul."""
     x = jnp.ones((2, 6))
     after_init = jmp.linen.mixed_precision(_OwnMatmul(_Runs(), name), "mixed_float16")
     variables = after_init.init(jax.random.key(0), x)
     log = _Runs()
     fresh = jmp.linen.mixed_precision(_OwnMatmul(log, name), "mixed_float16")
     program = jax.make_jaxpr(lambda v: fresh.apply(v, x))(variables)
-    assert len(log.flags) == runs
+    assert len(log.flags) == 2
     np.testing.assert_array_equal(fresh.apply(variables, x), after_init.apply(variables, x))
     dots = [e for e in iter_equations(program) if e.primitive.name == "dot_general"]
     assert [str(e.invars[1].aval.dtype) for e in dots] == ["float16"]
