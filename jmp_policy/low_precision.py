@@ -172,7 +172,7 @@ _DEFAULT_MOMENTS: dict[str, dict[str, Any]] = {
 }
 
 
-def field_decays(inner: optax.GradientTransformation) -> dict[str, float]:
+def field_decays(inner: optax.GradientTransformation, params: Any = None) -> dict[str, float]:
     """Per floating state field of `inner`, the decay d of its update `f <- d f + c h(g)`.
 
     Measured, not read from the optimizer's arguments (optax keeps them in closures): two
@@ -180,12 +180,20 @@ def field_decays(inner: optax.GradientTransformation) -> dict[str, float]:
     `f2 = (1 + d) c`, so `d = f2 / f1 - 1` (Adam: `b1` for `mu`, `b2` for `nu`; a momentum
     trace: its decay). A field that is zero after the first step, or whose measured decay is
     not in (0, 1) (not a moving average or a decaying sum), is left out: its decay cannot be
-    known this way.
+    known this way. `params`: the parameters' structure, for an optimizer that needs it
+    (`optax.masked`, `optax.multi_transform`): each leaf is probed as one element per axis.
+
+    Raises:
+      What `inner` raises where it cannot run on the probe (`_probed_decays` handles it).
     """
-    params = jnp.ones((1,), F32)
+    params = (
+        jnp.ones((1,), F32)
+        if params is None
+        else jax.tree.map(lambda p: jnp.ones((1,) * jnp.ndim(p), F32), params)
+    )
     with jax.ensure_compile_time_eval(), jax.numpy_dtype_promotion("standard"):
         state = inner.init(params)
-        grads = jnp.ones((1,), F32)
+        grads = jax.tree.map(jnp.ones_like, params)
         _, first = inner.update(grads, state, params)
         _, second = inner.update(grads, first, params)
         decays: dict[str, float] = {}
@@ -193,9 +201,9 @@ def field_decays(inner: optax.GradientTransformation) -> dict[str, float]:
             jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(second), strict=True
         )
         for (path, f1), f2 in pairs:
-            if not is_floating_array(f1) or f1.shape != (1,):
+            if not is_floating_array(f1) or f1.size != 1:
                 continue
-            before, after = float(f1[0]), float(f2[0])
+            before, after = float(f1.reshape(())), float(f2.reshape(()))
             if before == 0 or not math.isfinite(before) or not math.isfinite(after):
                 continue
             decay = after / before - 1
@@ -205,15 +213,36 @@ def field_decays(inner: optax.GradientTransformation) -> dict[str, float]:
     return decays
 
 
-def _warn_if_fields_stall(inner: optax.GradientTransformation, dtypes: Mapping[str, Any]) -> None:
-    """Warns about 16-bit fields rounded to nearest whose per-step change rounds away."""
+# What an optimizer raises on a probe whose structure it was not built for (a mask or label
+# tree of `optax.masked`/`multi_transform` against a single array; a shape it needs).
+_PROBE_ERRORS = (ValueError, TypeError, KeyError, IndexError)
+
+
+def _warn_if_fields_stall(
+    inner: optax.GradientTransformation, dtypes: Mapping[str, Any], params: Any = None
+) -> bool:
+    """Warns about 16-bit fields rounded to nearest whose per-step change rounds away
+    (`field_decays`). Returns False where `inner` cannot run on a one-element probe and
+    `params` (their structure) is not known yet: the check is then made at `init`; where it
+    cannot run on a probe of the parameters' structure either, a warning says so."""
     half = {name: dtype for name, dtype in dtypes.items() if dtype != F32}
     if not half:
-        return
+        return True
     try:
-        decays = field_decays(inner)
-    except Exception:  # an optimizer that cannot run on a one-element probe: nothing known
-        return
+        decays = field_decays(inner, params)
+    except _PROBE_ERRORS as error:
+        if params is None:
+            return False
+        warnings.warn(
+            f"low_precision_optimizer could not check whether the 16-bit fields {sorted(half)} "
+            "follow the gradients when rounded to nearest: the inner optimizer did not run on "
+            f"a one-element probe of the parameters ({type(error).__name__}: {error}). A field "
+            "that decays by more than 1 - half an ulp a step stops following them (float32, "
+            "or rounding='stochastic', avoid it).",
+            UserWarning,
+            stacklevel=4,
+        )
+        return True
     for name, dtype in half.items():
         decay = decays.get(name)
         half_ulp = 2.0 ** -(jnp.finfo(dtype).nmant + 1)
@@ -227,8 +256,9 @@ def _warn_if_fields_stall(inner: optax.GradientTransformation, dtypes: Mapping[s
                 f"gradients. Store it in float32 (`moment_dtypes={{..., {name!r}: 'float32'}}`) "
                 "or use rounding='stochastic', which keeps 16-bit fields unbiased.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=3 if params is None else 4,
             )
+    return True
 
 
 def _floating_fields(tree: Any) -> list[str]:
@@ -304,8 +334,8 @@ def low_precision_optimizer(
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
         raise TypeError(f"Expected an int for `seed`, got {seed!r}.")
     inner = optax.with_extra_args_support(inner)
-    if rounding != "stochastic":
-        _warn_if_fields_stall(inner, dtypes)
+    # Checked now, or at `init` where the inner optimizer needs the parameters' structure.
+    checked = rounding == "stochastic" or _warn_if_fields_stall(inner, dtypes)
 
     def check_params(params: Any) -> None:
         for path, p in jax.tree_util.tree_leaves_with_path(params):
@@ -361,6 +391,8 @@ def low_precision_optimizer(
 
     def init_fn(params):
         check_params(params)
+        if not checked:
+            _warn_if_fields_stall(inner, dtypes, params)
 
         def residual(p):
             if p.dtype != BF16 or rounding == "stochastic":

@@ -224,13 +224,14 @@ def test_the_written_state_is_the_explicit_routes_next_state():
     assert float(explicit[0].lhs.amax_history.max()) > 0
 
 
-def test_a_skipped_step_keeps_every_fp8_state_bit_for_bit():
-    """A NaN batch under a dynamic loss scale: the step is skipped and the Linen model's
-    float8 state is what it was, bit for bit; the next clean step writes it again."""
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_a_skipped_step_keeps_every_fp8_state_bit_for_bit(bad):
+    """A NaN or inf batch under a dynamic loss scale: the step is skipped and the Linen
+    model's float8 state is what it was, bit for bit; the next clean step writes it again."""
     x, y = _data()
 
     def batches(i):
-        return (x.at[0, 0].set(jnp.nan), y) if i == 3 else (x, y)
+        return (x.at[0, 0].set(bad), y) if i == 3 else (x, y)
 
     _, states, opt_state = _train(
         _linen, RECIPE, steps=5, scale=jmp.DynamicLossScale(2.0**10), batches=batches

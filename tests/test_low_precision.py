@@ -297,3 +297,26 @@ def test_a_16_bit_field_whose_updates_round_away_is_warned_about():
         jmp.low_precision_optimizer(optax.adamw(1e-3), "stochastic", moment_dtypes={"nu": BF16})
         jmp.low_precision_optimizer(optax.sgd(1e-3, momentum=0.9), "kahan",
                                     moment_dtypes={"trace": BF16})  # fmt: skip
+
+
+def test_the_stall_check_of_an_optimizer_that_needs_the_parameters_runs_at_init():
+    """`optax.masked` cannot run on a one-element probe (its mask is a tree): the check runs at
+    `init`, on a probe of the parameters' structure, and still finds a stalling 16-bit `nu`;
+    an optimizer that runs on neither probe is said to be unchecked, not passed over."""
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    masked = optax.masked(optax.adam(1e-3), {"w": True, "b": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said at construction
+        tx = jmp.low_precision_optimizer(masked, "kahan", moment_dtypes={"nu": BF16})
+    with pytest.warns(UserWarning, match=r"'nu'.* decays it by 0\.999 a step"):
+        tx.init(params)
+
+    def needs_three_rows(params):  # an optimizer that refuses any other shape
+        if any(p.shape[0] != 4 for p in jax.tree.leaves(params)):
+            raise ValueError("expected parameters of 4 rows")
+        return optax.adam(1e-3).init(params)
+
+    picky = optax.GradientTransformation(needs_three_rows, optax.adam(1e-3).update)
+    tx = jmp.low_precision_optimizer(picky, "kahan", moment_dtypes={"nu": BF16})
+    with pytest.warns(UserWarning, match=r"could not check.*ValueError: expected parameters"):
+        tx.init({"w": jnp.ones((4, 3))})
