@@ -16,21 +16,23 @@ import numpy as np
 from jax import lax
 
 from jmp_policy import _jaxpr
-from jmp_policy._autocast_ops import (
+from jmp_policy._autocast_evaluation import (
     _FLOAT32,
+    _cast,
+    _cast_like_avals,
+    _Evaluation,
+    _is_float,
+    _widest,
+)
+from jmp_policy._autocast_ops import (
     _LAX_MATMULS,
     _REGION_NAMES,
     _adding_in_float32,
     _bind,
-    _cast,
-    _cast_like_avals,
     _eval_by_rules,
-    _Evaluation,
     _half_among,
     _in_float32,
-    _is_float,
     _source_context,
-    _widest,
 )
 from jmp_policy.activations import (
     WEIGHT,

@@ -18,7 +18,6 @@ and the float8 exclusion know about jaxprs is decided here, once:
   outputs dropped), each equation handed to a rule that may run it otherwise;
 - `walk`: every equation of a program and of its sub-programs, with its full name stack and
   how often it runs (a `scan` body `length` times);
-- `module_path`: the module path a name stack names, as the integrations' `overrides` take it.
 
 Primitives are the objects of the installed JAX, from its public API
 (`jax.extend.core.primitives`, or the primitive a public function binds, found by tracing
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -434,40 +432,6 @@ LAX_MATMULS: dict[Any, Callable[..., Any]] = {
 """The lax function of each matmul a rewriter binds again with other operands: it takes the
 equation's parameters as keywords, and adds what its operands need (`pvary` for a replicated
 weight inside `shard_map`)."""
-
-
-# --- names ------------------------------------------------------------------------------
-
-TOP_LEVEL = "(top level)"
-_TRANSFORMS = re.compile(r"^(?:[a-z_]+\()+")  # transpose(, jvp(, vmap(: transforms, not modules
-# A module's name (or an NNX list index). Parts with a dot are not modules: Linen names a
-# method called from another one `Class.method` (`Transformer.encode`), Equinox its class scopes.
-_PART = re.compile(r"[A-Za-z_][\w\-]*|\d+")
-_METHOD = re.compile(r"([A-Za-z_]\w*)\.[A-Za-z_]\w*")
-
-
-def module_path(name_stack: str, markers: Sequence[str] = ()) -> str:
-    """The modules a name stack names, joined with "/" (`TOP_LEVEL` if none): transforms
-    (`jvp(`, `transpose(`), `markers` (region and island scopes), Linen method calls
-    (`Transformer.encode`; first, the root called through a method, it names the root:
-    `Transformer`), Equinox's class scopes (`eqx.nn.Linear`) and anything that is not a name
-    (einsum specs, op names) left out; NNX list indices (`layers/0`) kept. The first part is
-    the root module's name; `overrides` take the rest (`relative`)."""
-    parts = []
-    for part in name_stack.split("/"):
-        part = _TRANSFORMS.sub("", part).rstrip(")")
-        method = _METHOD.fullmatch(part)
-        if method and not parts:  # the root called through a method: `apply(method=...)`
-            parts.append(method.group(1))
-        elif part and part not in markers and _PART.fullmatch(part):
-            parts.append(part)
-    return "/".join(parts) or TOP_LEVEL
-
-
-def relative(path: str) -> str:
-    """A `module_path` without the root module's own name: what `overrides` match."""
-    parts = path.split("/")
-    return "/".join(parts[1:]) if len(parts) > 1 else path
 
 
 _F8, _SCALE = jnp.float8_e4m3fn, jnp.float8_e8m0fnu

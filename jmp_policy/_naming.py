@@ -13,6 +13,9 @@ caller's scope.
 Calls are intercepted by replacing `__call__` on the module classes for the duration of the
 trace (and only then; other threads' calls pass straight through); the debugger uses it,
 nothing in a train step does.
+
+`module_path` reads the module path a name stack names (Linen's, or these scopes), as the
+integrations' `overrides` take it, and `relative` drops the root's own name.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import contextlib
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -179,3 +182,37 @@ def module_names() -> Iterator[None]:
         for cls, original in patched.items():
             type.__setattr__(cls, "__call__", original)
         _STATE.paths = _STATE.stack = None
+
+
+# --- module paths from name stacks ---------------------------------------------------
+
+TOP_LEVEL = "(top level)"
+_TRANSFORMS = re.compile(r"^(?:[a-z_]+\()+")  # transpose(, jvp(, vmap(: transforms, not modules
+# A module's name (or an NNX list index). Parts with a dot are not modules: Linen names a
+# method called from another one `Class.method` (`Transformer.encode`), Equinox its class scopes.
+_PART = re.compile(r"[A-Za-z_][\w\-]*|\d+")
+_METHOD = re.compile(r"([A-Za-z_]\w*)\.[A-Za-z_]\w*")
+
+
+def module_path(name_stack: str, markers: Sequence[str] = ()) -> str:
+    """The modules a name stack names, joined with "/" (`TOP_LEVEL` if none): transforms
+    (`jvp(`, `transpose(`), `markers` (region and island scopes), Linen method calls
+    (`Transformer.encode`; first, the root called through a method, it names the root:
+    `Transformer`), Equinox's class scopes (`eqx.nn.Linear`) and anything that is not a name
+    (einsum specs, op names) left out; NNX list indices (`layers/0`) kept. The first part is
+    the root module's name; `overrides` take the rest (`relative`)."""
+    parts = []
+    for part in name_stack.split("/"):
+        part = _TRANSFORMS.sub("", part).rstrip(")")
+        method = _METHOD.fullmatch(part)
+        if method and not parts:  # the root called through a method: `apply(method=...)`
+            parts.append(method.group(1))
+        elif part and part not in markers and _PART.fullmatch(part):
+            parts.append(part)
+    return "/".join(parts) or TOP_LEVEL
+
+
+def relative(path: str) -> str:
+    """A `module_path` without the root module's own name: what `overrides` match."""
+    parts = path.split("/")
+    return "/".join(parts[1:]) if len(parts) > 1 else path

@@ -18,14 +18,13 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import eval_jaxpr
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from jmp_policy import _jaxpr, _naming
-from jmp_policy._pytree import pure_nnx, split_traced
+from jmp_policy._tracing import trace as trace  # importable here too
+from jmp_policy._tracing import traced_once as traced_once
 from jmp_policy.block_scaled import SCOPE
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
 from jmp_policy.matmul import CPU_WIDENED
@@ -333,10 +332,10 @@ def _why_float32(eqn: JaxprEqn, producers: dict, inputs: set) -> str:
 
 
 def module_path_of(name_stack: str) -> str:
-    """A name stack as a module path (`_jaxpr.module_path`, the override marker and region
+    """A name stack as a module path (`_naming.module_path`, the override marker and region
     names left out; "" for none)."""
-    path = _jaxpr.module_path(name_stack, (FLOAT32_ISLAND, FULL_PRECISION_REGION))
-    return "" if path == _jaxpr.TOP_LEVEL else path
+    path = _naming.module_path(name_stack, (FLOAT32_ISLAND, FULL_PRECISION_REGION))
+    return "" if path == _naming.TOP_LEVEL else path
 
 
 class PrecisionWarning(UserWarning):
@@ -416,58 +415,3 @@ def precision_report(
         program = trace(fun, *args, **kwargs)
         before = None if original is None else trace(original, *args, **kwargs)
     return report_of_jaxpr(program, before)
-
-
-def _pure(fun: Any, args: tuple) -> tuple[Callable[..., Any], tuple]:
-    """`fun(*args)` with NNX modules (`fun` itself, or among `args`) called as pure functions
-    of their states (`_pytree.pure_nnx`), whatever variables they write when called. The
-    state of an NNX `fun` becomes the first argument; any other `fun` stays as it is."""
-    with_fun, merge = pure_nnx((fun, *args))
-    if with_fun[0] is fun:  # not an NNX module: called as it is
-
-        def pure(*inner: Any, **kwargs: Any) -> Any:
-            return fun(*merge((fun, *inner))[1:], **kwargs)
-
-        return pure, with_fun[1:]
-
-    def pure_module(*inner: Any, **kwargs: Any) -> Any:
-        module, *rest = merge(inner)
-        return module(*rest, **kwargs)
-
-    return pure_module, with_fun
-
-
-def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ClosedJaxpr:
-    """`jax.make_jaxpr(fun)(*args, **kwargs)`, with non-array leaves (an Equinox
-    module's functions, flags) passed to `fun` as they are rather than traced. An NNX module
-    is traced as a pure function of its state, whatever variables it writes."""
-    fun, args = _pure(fun, args)
-    arrays, rebuild = split_traced((args, kwargs))
-
-    def run(*traced):
-        a, k = rebuild(traced)
-        return fun(*a, **k)
-
-    return jax.make_jaxpr(run)(*arrays)
-
-
-def traced_once(
-    fun: Callable[..., Any], *args: Any, **kwargs: Any
-) -> tuple[ClosedJaxpr, Callable[[], Any]]:
-    """The program `fun(*args, **kwargs)` traces (as `trace`), and a function that returns
-    its result from the program, evaluated on the arguments in the caller's trace (as
-    `jax.core.eval_jaxpr` does: the same equations, names kept), not from a second run."""
-    fun, args = _pure(fun, args)
-    arrays, rebuild = split_traced((args, kwargs))
-
-    def run(*traced):
-        a, k = rebuild(traced)
-        return fun(*a, **k)
-
-    program, shape = jax.make_jaxpr(run, return_shape=True)(*arrays)
-
-    def result() -> Any:
-        out = eval_jaxpr(program.jaxpr, program.consts, *arrays)
-        return jax.tree.unflatten(jax.tree.structure(shape), out)
-
-    return program, result

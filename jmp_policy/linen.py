@@ -37,17 +37,16 @@ from jmp_policy._flax_layers import (
     take_over_matmul,
 )
 from jmp_policy._fp8_layers import LinenDelayedDot, layer_recipe
-from jmp_policy._linen_paths import Paths, keys_of, params_and_rest
+from jmp_policy._linen_paths import Paths, params_and_rest
 from jmp_policy._pytree import signature, split_traced
+from jmp_policy._tracing import traced_once
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
-from jmp_policy.census import traced_once, warn_float32_matmuls
+from jmp_policy.census import warn_float32_matmuls
 from jmp_policy.overrides import FLOAT32, Overrides, island_scope
 from jmp_policy.policy import (
     Policy,
-    cast_floating,
     casting_policy,
     check_model_policy,
-    is_floating_array,
 )
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(
@@ -209,20 +208,6 @@ class MixedPrecisionModule:
 
     # --- parameters -----------------------------------------------------------
 
-    def _cast_params(self, params, paths: Paths, to: str):
-        def cast(path, leaf):
-            target = self._cast_target(paths, keys_of(path)[:-1], to)
-            return leaf if target is None else cast_floating(leaf, target)
-
-        return jax.tree_util.tree_map_with_path(cast, params)
-
-    def _cast_target(self, paths: Paths, module: tuple[str, ...], to: str) -> Any:
-        """The dtype a parameter of `module` is cast to before the call (None: as stored)."""
-        if to == "compute" and module in paths.cast_at_use:
-            return None  # the layer casts it where it uses it
-        policy = casting_policy(paths.policy_of(module, self.policy))
-        return policy.compute_dtype if to == "compute" else policy.param_dtype
-
     def _borrowed_paths(self, key, method) -> Paths | None:
         """The paths an earlier run of the same method showed (`init`'s, or another
         signature's), for a first call to use and check; None if there was none."""
@@ -260,7 +245,7 @@ class MixedPrecisionModule:
         self.overrides.warn_unmatched()
         variables = unfreeze(variables)
         if "params" in variables:
-            variables["params"] = self._cast_params(variables["params"], record, "param")
+            variables["params"] = record.cast_params(variables["params"], "param", self.policy)
         return variables
 
     def apply(self, variables, *args, method=None, mutable=False, **kwargs):
@@ -285,7 +270,11 @@ class MixedPrecisionModule:
             if given is None:
                 given = self._learn_paths(variables, args, kwargs, method)
             paths, traced, first = self._first_trace(key, given, *call)
-            if self._plan(given, variables, paths) != self._plan(paths, variables, paths):
+            plan = functools.partial(
+                Paths.plan, variables=variables, ran=paths, default=self.policy,
+                reduce_dtype=self.reduce_dtype,
+            )  # fmt: skip
+            if plan(given) != plan(paths):
                 # Another signature's paths, and this call ran other modules (e.g. a flag).
                 _, traced, first = self._first_trace(key, paths, *call)
             self._path_policies[key] = paths
@@ -340,7 +329,7 @@ class MixedPrecisionModule:
         parameters are cast inside the program where each is used, so a matmul on one takes
         it in float32 and its gradient is made and summed in float32. None where none does.
         """
-        if not self._in_half(paths):
+        if not paths.in_half(self.policy):
             return None
         program = (key, repr(mutable))  # `mutable` may be a list
         if program not in self._at_use:
@@ -348,54 +337,18 @@ class MixedPrecisionModule:
                 lambda params, rest, args, kwargs: self._mixed_run(
                     paths, method, mutable, {**rest, "params": params}, args, kwargs
                 ),
-                weights_in_float32=self._casts_own_weights(paths, variables),
+                weights_in_float32=paths.casts_own_weights(variables, self.reduce_dtype),
             )
         return self._at_use[program]
 
     def _mixed_run(self, paths: Paths, method, mutable, variables, args, kwargs):
         """The module's `apply` under the policy, each parameter cast for its module."""
         if "params" in variables:
-            params = self._cast_params(variables["params"], paths, "compute")
+            params = paths.cast_params(variables["params"], "compute", self.policy)
             variables = {**variables, "params": params}
         return self._run(
             lambda: self.module.apply(variables, *args, method=method, mutable=mutable, **kwargs)
         )
-
-    def _in_half(self, paths: Paths) -> bool:
-        """Whether a module computes in 16 bits: then the model runs under
-        `autocast.cast_at_use`, which also keeps the float32 list in the model's own code.
-        (A float8 policy computes in bfloat16 besides its float8 matmuls: `fp8_dot_for`.)"""
-        policies = [self.policy, *paths.policies.values()]
-        return any(casting_policy(p).compute_dtype.itemsize == 2 for p in policies)
-
-    def _casts_own_weights(self, paths: Paths, variables) -> bool:
-        if self.reduce_dtype is None or "params" not in variables:
-            return False
-        leaves = jax.tree_util.tree_leaves_with_path(variables["params"])
-        owners = {paths.owner(keys_of(path)[:-1]) for path, _ in leaves}
-        # 16 bits; a float8 policy's layers are left as they are (`fp8_dot_for`).
-        return any(
-            owner in paths.not_taken_over and paths.policies[owner].compute_dtype.itemsize == 2
-            for owner in owners
-        )
-
-    def _plan(self, paths: Paths, variables, ran: Paths) -> tuple:
-        """What `paths` decide for the traced program: the route (`cast_at_use` or not), and
-        the dtype each floating parameter of a module that `ran` is cast to (None: none, or
-        its own dtype)."""
-
-        def target(path, leaf) -> Any:
-            module = keys_of(path)[:-1]
-            dtype = self._cast_target(paths, module, "compute")
-            return None if dtype is None or not is_floating_array(leaf) else jnp.dtype(dtype)
-
-        leaves = jax.tree_util.tree_leaves_with_path(variables.get("params", {}))
-        targets = tuple(
-            None if (t := target(path, leaf)) == leaf.dtype else t
-            for path, leaf in leaves
-            if keys_of(path)[:-1] in ran.policies
-        )
-        return self._in_half(paths), self._casts_own_weights(paths, variables), targets
 
 
 @contextlib.contextmanager

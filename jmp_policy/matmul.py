@@ -42,6 +42,7 @@ import numpy as np
 from jax import lax
 
 from jmp_policy import _jaxpr
+from jmp_policy._compat import einsum_with_dot_general, linen_promote_dtype
 from jmp_policy.activations import WEIGHT, kind_of_dtype, meet, weight_at_use
 from jmp_policy.policy import normalise_dtype
 
@@ -188,7 +189,9 @@ class MixedEinsum(_Mixed):
         # operands' promoted one (float32, the kernel's).
         out = preferred_element_type or self.accumulate_dtype or self.compute_dtype
         dot = MixedDotGeneral(self.compute_dtype, self.accumulate_dtype)
-        return jnp.einsum(*operands, preferred_element_type=out, _dot_general=dot, **kwargs)
+        return einsum_with_dot_general(
+            *operands, dot_general=dot, preferred_element_type=out, **kwargs
+        )
 
 
 def dot_general(compute_dtype: Any, accumulate_dtype: Any = None) -> MixedDotGeneral:
@@ -344,9 +347,7 @@ def promote_for_lookup(*args: Any, dtype: Any = None, inexact: bool = True) -> l
     values = _values(args)
     if len(values) == 1:
         return values
-    from flax.linen.dtypes import promote_dtype
-
-    return list(promote_dtype(*values, dtype=dtype, inexact=inexact))
+    return list(linen_promote_dtype()(*values, dtype=dtype, inexact=inexact))
 
 
 def check_reduce_dtype(value: Any) -> np.dtype | None:

@@ -19,10 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn.dtypes import promote_dtype as flax_promote_dtype
 
 from jmp_policy import matmul
-from jmp_policy._compat import set_variable_value, variable_value
+from jmp_policy._compat import nnx_promote_dtype, set_variable_value, variable_value
 from jmp_policy._flax_layers import (
     NNX_NORMS,
     attention_with_float32_softmax,
@@ -33,9 +32,11 @@ from jmp_policy._flax_layers import (
     take_over_matmul,
 )
 from jmp_policy._fp8_layers import NnxDelayedDot, layer_recipe
+from jmp_policy._nnx_skip import revert_if_skipped as revert_if_skipped  # public here
 from jmp_policy._pytree import signature
+from jmp_policy._tracing import traced_once
 from jmp_policy.autocast import cast_at_use
-from jmp_policy.census import traced_once, warn_float32_matmuls
+from jmp_policy.census import warn_float32_matmuls
 from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy.policy import (
     Policy,
@@ -44,7 +45,6 @@ from jmp_policy.policy import (
     check_model_policy,
     is_floating_array,
 )
-from jmp_policy.transform import find_loss_scaling_state, unless_skipped
 
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(dict.fromkeys(NNX_NORMS, FLOAT32))
 """The default overrides: Flax's normalisation layers compute in float32."""
@@ -381,70 +381,6 @@ def _recomputed(
     return out
 
 
-@contextlib.contextmanager
-def revert_if_skipped(model: nnx.Module, optimizer: nnx.Optimizer) -> Iterator[None]:
-    """Around an NNX train step: a skipped step leaves the model's state as it was.
-
-    NNX layers write their state in place during the forward pass (BatchNorm's
-    `BatchStat` running averages, RNG counts, caches). A step that
-    `loss_scaling` skips leaves the parameters and the optimizer state as they
-    were; this leaves every other variable of `model` (all but the
-    optimizer's `wrt`) as it was too. A forward pass that overflows writes NaN
-    batch statistics, and kept, they poison every later step. The optimizer's
-    `step` (Flax's count of `update` calls) is kept too, so it counts applied
-    steps, as `find_loss_scaling_state(optimizer).applied_steps` does.
-
-    Use it inside the jitted step, around the gradient and `optimizer.update`:
-    the choice is `jmp_policy.unless_skipped`, a `select` per array, no host sync.
-
-    Args:
-      model: the NNX model the step trains.
-      optimizer: the `nnx.Optimizer` built with a `loss_scaling` transform.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> from flax import nnx
-      >>> import jmp_policy as jmp
-      >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
-      ...                        nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
-      >>> tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(2.0**10))
-      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-      >>> @nnx.jit
-      ... def train_step(model, optimizer, x):
-      ...     with jmp.nnx.revert_if_skipped(model, optimizer):
-      ...         loss_fn = lambda model: jnp.mean(model(x) ** 2)
-      ...         _, grads = jmp.value_and_scaled_grad(loss_fn, grad_fn=nnx.value_and_grad)(
-      ...             optimizer, model)
-      ...         optimizer.update(model, grads)
-      >>> train_step(model, optimizer, jnp.array([[1.0, jnp.inf], [0.0, 1.0]]))  # overflows
-      >>> model.layers[1].mean[...].tolist()  # not NaN: the step was skipped
-      [0.0, 0.0]
-    """
-    if not isinstance(optimizer, nnx.Optimizer):
-        raise TypeError(
-            "Expected the nnx.Optimizer that trains `model` for `optimizer` (built as "
-            "`nnx.Optimizer(model, jmp_policy.loss_scaling(tx, scale), wrt=nnx.Param)`), got "
-            f"{type(optimizer).__name__}."
-        )
-    find_loss_scaling_state(optimizer)  # raises now, not after the step, if there is none
-    others = nnx.Not(getattr(optimizer, "wrt", nnx.Param))
-    # The variables are the model's own (changed in place): keep their values now.
-    before = {path: variable_value(v) for path, v in nnx.to_flat_state(nnx.state(model, others))}
-    counter = getattr(optimizer, "step", None)  # Flax's count of `update` calls
-    step = None if counter is None else variable_value(counter)
-    yield
-    if counter is not None:  # ...kept on a skip: it counts applied steps
-        set_variable_value(counter, unless_skipped(optimizer, variable_value(counter), step))
-    after = dict(nnx.to_flat_state(nnx.state(model, others)))
-    # Variables the step created (e.g. sown intermediates) have nothing to go back to.
-    paths = [path for path in before if path in after]
-    kept = unless_skipped(
-        optimizer, [variable_value(after[p]) for p in paths], [before[p] for p in paths]
-    )
-    for path, value in zip(paths, kept, strict=True):
-        set_variable_value(after[path], value)
-
-
 def _apply_to_module(
     module: nnx.Module, policy: Policy, path: tuple[str, ...], delayed: Any = None
 ) -> None:
@@ -480,7 +416,7 @@ def _take_back_hooks(module: nnx.Module) -> None:
         matmul.promote_bias_after,
         matmul.promote_for_lookup,
     ):
-        setattr(module, "promote_dtype", flax_promote_dtype)  # noqa: B010
+        setattr(module, "promote_dtype", nnx_promote_dtype())  # noqa: B010
 
 
 _ABSENT = object()

@@ -23,12 +23,8 @@ from jax import lax
 
 import jmp_policy as jmp
 from jmp_policy import _jaxpr
-from jmp_policy._autocast_ops import (
-    _Evaluation,
-    _keeping_half,
-    _quotient_keeping_half,
-    _Rules,
-)
+from jmp_policy._autocast_evaluation import _Evaluation, _Rules
+from jmp_policy._autocast_ops import _keeping_half, _quotient_keeping_half
 
 B, K, N = 6, 5, 4  # batch, features in, features out
 

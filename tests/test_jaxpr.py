@@ -16,7 +16,7 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as jax_primitives
 
 import jmp_policy as jmp
-from jmp_policy import _jaxpr
+from jmp_policy import _jaxpr, _naming
 from jmp_policy._compat import bind_params
 from jmp_policy.census import iter_equations
 
@@ -190,11 +190,11 @@ def test_fallback_names_are_absent_on_purpose_and_still_read():
         ("transpose(jvp(GPT))/Block_0/jmp_float32_override/LayerNorm_0", "GPT/Block_0/LayerNorm_0"),
         ("Model/layers/0/attn/...hqk,...khd->...qhd", "Model/layers/0/attn"),
         ("MLP/eqx.nn.Linear/layers/1", "MLP/layers/1"),
-        ("", _jaxpr.TOP_LEVEL),
+        ("", _naming.TOP_LEVEL),
     ],
 )
 def test_one_module_path_from_a_name_stack(stack, path):
-    assert _jaxpr.module_path(stack, ("jmp_float32_override",)) == path
+    assert _naming.module_path(stack, ("jmp_float32_override",)) == path
 
 
 def test_the_primitives_read_by_name_or_found_inside_a_call_are_what_jax_binds():

@@ -18,7 +18,7 @@ from flax import nnx
 from models import ScanMLP
 
 import jmp_policy as jmp
-from jmp_policy import _jaxpr, _naming
+from jmp_policy import _naming
 from jmp_policy.census import compute_dtype, iter_equations, module_path_of, trace
 
 X = jax.random.normal(jax.random.key(0), (4, 8))
@@ -185,7 +185,7 @@ def dtypes_in(fun, x, path: str, *more) -> set:
         program = trace(fun, x, *more)  # as precision_report traces (an NNX model an argument)
     found = set()
     for eqn in iter_equations(program):
-        where = _jaxpr.relative(module_path_of(str(eqn.source_info.name_stack)))
+        where = _naming.relative(module_path_of(str(eqn.source_info.name_stack)))
         dtype = compute_dtype(eqn)
         if eqn.primitive.name == "convert_element_type" or dtype is None:
             continue
@@ -199,7 +199,7 @@ def test_advice_goes_to_overrides_as_it_is(case):
     loss, args, mixed, advised = CASES[case]()
     report = jmp.debug_precision(loss, *args)
     # The debugger prints each layer once, under the name `overrides` take.
-    printed = {_jaxpr.relative(s.layer) for s in report.layers}
+    printed = {_naming.relative(s.layer) for s in report.layers}
     assert advised in printed, printed
     assert not [p for p in printed if p != advised and p.endswith("/rescaled")], printed
     overrides = report.advice()["overrides"]

@@ -10,10 +10,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import eval_jaxpr
 from jax.extend import core as jcore
 
 from jmp_policy import _jaxpr
+from jmp_policy._compat import eval_jaxpr
 from jmp_policy.debugger.names import _float32_island, _layer_and_direction, _once, _source
 from jmp_policy.debugger.report import NonFiniteOrigin
 from jmp_policy.debugger.values import _Accumulator, _all_finite, _carries_mask

@@ -1,4 +1,4 @@
-"""How the precision debugger names the layer of an operation (`_jaxpr.module_path`, as the
+"""How the precision debugger names the layer of an operation (`_naming.module_path`, as the
 integrations' `overrides` take it), its direction and its source line."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from jmp_policy import _jaxpr
+from jmp_policy import _naming
 from jmp_policy._validation import is_library_file
 from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
 
-TOP_LEVEL = _jaxpr.TOP_LEVEL
-_module_path = _jaxpr.relative
+TOP_LEVEL = _naming.TOP_LEVEL
+_module_path = _naming.relative
 # Name-stack parts that are not modules (JAX names a remat's recomputation `rematted_computation`).
 _MARKERS = (FLOAT32_ISLAND, FULL_PRECISION_REGION, "rematted_computation")
 _WRAPPERS = re.compile(r"^(?:[a-z_]+\()+")  # transpose(, jvp(, vmap(: transforms, not modules
@@ -20,7 +20,7 @@ _WRAPPERS = re.compile(r"^(?:[a-z_]+\()+")  # transpose(, jvp(, vmap(: transform
 
 def _layer_and_direction(name_stack: str, gradient: bool | None = None) -> tuple[str, str]:
     backward = "transpose(" in name_stack if gradient is None else gradient
-    return _jaxpr.module_path(name_stack, _MARKERS), ("backward" if backward else "forward")
+    return _naming.module_path(name_stack, _MARKERS), ("backward" if backward else "forward")
 
 
 def _once(name_stack: str) -> str:
