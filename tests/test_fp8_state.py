@@ -377,3 +377,43 @@ def test_delayed_scaling_is_checked_when_built_and_called():
     grads = jax.grad(lambda v: jnp.sum(model.apply(v, x)))(variables)
     with pytest.raises(ValueError, match="`params`"):
         tx.update(grads, tx.init(variables))
+
+
+def test_linen_nn_scan_stacks_the_state_with_the_parameters():
+    """Under `nn.scan` with `variable_axes={"params": 0, "fp8_state": 0}` (docs/fp8.md) each
+    scanned layer keeps its own state, and each is written from its own layer's amaxes."""
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.Dense(64)(jax.nn.relu(nn.Dense(128)(x))), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scanned = nn.scan(
+                Block,
+                variable_axes={"params": 0, "fp8_state": 0},
+                split_rngs={"params": True},
+                length=3,
+            )
+            x, _ = scanned()(x, None)
+            return nn.Dense(16, name="head")(x)
+
+    x, y = _data()
+    model = jmp.linen.mixed_precision(Stack(), "mixed_float8", fp8_scaling=RECIPE)
+    variables = model.init(jax.random.key(0), x)
+    tx = jmp.loss_scaling(optax.adam(1e-3), jmp.NoOpLossScale())
+    opt_state = tx.init(variables)
+
+    def loss(v):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x), y).mean()
+
+    grads = jax.grad(loss)(variables)
+    updates, _ = tx.update(grads, opt_state, variables)
+    variables = optax.apply_updates(variables, updates)
+    stacked = _only_states(variables["fp8_state"]["ScanBlock_0"])
+    assert len(stacked) == 2 and stacked[0].lhs.scale.shape == (3,)
+    for state in stacked:
+        activations = np.asarray(state.lhs.amax_history[:, 0])
+        assert np.all(activations > 0) and len(set(activations.tolist())) == 3  # per layer
