@@ -54,7 +54,7 @@ def run_demo(steps: int, seed: int, planted: bool, batch=32, length=64, skip=Tru
             optax.clip_by_global_norm(1.0), optax.adamw(optax.cosine_decay_schedule(3e-3, steps))
         ),
         jmp.DynamicLossScale(2.0**15),
-        skip_spikes=jmp.SkipSpikes() if skip else None,
+        skip_spikes=jmp.scaling.SkipSpikes() if skip else None,
     )
     opt_state = tx.init(params)
 
@@ -66,7 +66,7 @@ def run_demo(steps: int, seed: int, planted: bool, batch=32, length=64, skip=Tru
     def step(params, opt_state, x, y, times):
         loss, grads = jmp.value_and_scaled_grad(loss_fn)(opt_state, params, x, y, times)
         updates, opt_state = tx.update(grads, opt_state, params, value=loss)
-        state = jmp.find_loss_scaling_state(opt_state)
+        state = jmp.scaling.find_loss_scaling_state(opt_state)
         return (
             optax.apply_updates(params, updates),
             opt_state,
@@ -132,9 +132,9 @@ def healthy_table(quick: bool = False) -> str:
     for name, run in spike_runs.RUNS.items():
         for seed in (0,) if quick else (0, 1):
             without = spike_runs.train(name, seed)
-            clean = spike_runs.train(name, seed, jmp.SkipSpikes())
+            clean = spike_runs.train(name, seed, jmp.scaling.SkipSpikes())
             planted = (1000, run.steps - 1)
-            corrupted = spike_runs.train(name, seed, jmp.SkipSpikes(), corrupt_at=planted)
+            corrupted = spike_runs.train(name, seed, jmp.scaling.SkipSpikes(), corrupt_at=planted)
             change = abs(clean["held_out"] / without["held_out"] - 1)
             lines.append(
                 f"| {name} | {seed} | {run.steps} | {len(clean['skipped'])} | "
@@ -151,7 +151,7 @@ def step_time_table(quick: bool) -> str:
             # The baseline compiled and run again as its own variant: this run's noise.
             bench_train_step.AGAIN: bench_train_step.spike_skipping_variant(optimizer, loss),
             "skip_spikes": bench_train_step.spike_skipping_variant(
-                optimizer, loss, jmp.SkipSpikes()
+                optimizer, loss, jmp.scaling.SkipSpikes()
             ),
         }
 

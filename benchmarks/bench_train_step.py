@@ -85,7 +85,7 @@ def loss_scaling_variant(jmp_module, optimizer, loss):
 
 def spike_skipping_variant(optimizer, loss, skip_spikes=None):
     """`loss_scaling_variant` with the loss passed to `update` (`value=loss`) and, with
-    `skip_spikes`, spike skipping on (`jmp_policy.SkipSpikes`)."""
+    `skip_spikes`, spike skipping on (`jmp_policy.scaling.SkipSpikes`)."""
     tx = jmp_policy.loss_scaling(
         optimizer, jmp_policy.DynamicLossScale(INITIAL_SCALE), skip_spikes=skip_spikes
     )

@@ -155,7 +155,7 @@ def measure(config, args):
     jax.block_until_ready(params)
     seconds = (time.perf_counter() - start) / args.steps
     stats = jax.devices()[0].memory_stats() or {}
-    skipped = int(jmp.find_loss_scaling_state(opt_state).skipped_steps)
+    skipped = int(jmp.scaling.find_loss_scaling_state(opt_state).skipped_steps)
     return {
         "config": config,
         "tokens_per_s": args.batch * args.length / seconds,

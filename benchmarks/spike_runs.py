@@ -184,7 +184,7 @@ RUNS = {
 def train(
     name: str,
     seed: int,
-    skip_spikes: jmp.SkipSpikes | None = None,
+    skip_spikes: jmp.scaling.SkipSpikes | None = None,
     corrupt_at: tuple[int, ...] = (),
 ) -> dict:
     """One run: its per-step losses and gradient norms (float32), the steps skipped as

@@ -179,7 +179,7 @@ def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
 
         grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        state = jmp.find_loss_scaling_state(opt_state)
+        state = jmp.scaling.find_loss_scaling_state(opt_state)
         return (
             optax.apply_updates(params, updates),
             opt_state,
@@ -210,7 +210,7 @@ def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
             tokens_s = (
                 done * args.batch * args.length / (time.perf_counter() - start) if done > 0 else 0.0
             )
-            skipped_so_far = int(jmp.find_loss_scaling_state(opt_state).skipped_steps)
+            skipped_so_far = int(jmp.scaling.find_loss_scaling_state(opt_state).skipped_steps)
             bar.set_postfix(
                 loss=f"{float(loss):.3f}",
                 scale=f"{format_scale(float(scale_value)):>5}",

@@ -18,14 +18,10 @@ from jmp_policy._validation import (
     warn_at_user_line,
     warn_once_per_mistake,
 )
+from jmp_policy.errors import LossScalingWarning as LossScalingWarning  # importable here too
 from jmp_policy.loss_scale import (
     LossScale,
 )
-
-
-class LossScalingWarning(UserWarning):
-    """A `loss_scaling` optimizer used in a way that trains badly without failing."""
-
 
 WITHOUT_SCALE = "computed without the scale"
 ARRIVED = "arrived from outside the step"

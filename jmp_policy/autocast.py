@@ -81,7 +81,7 @@ def _check_names(names: Any, argument: str) -> frozenset:
         raise ValueError(
             f"Unknown primitive name(s) {unknown} in `{argument}`: use names as they appear in "
             "a jaxpr (`jax.make_jaxpr(f)(x)`), e.g. 'dot_general', 'exp', 'reduce_sum', or the "
-            "names in jmp_policy.AUTOCAST_ALLOW / AUTOCAST_DENY."
+            "names in jmp_policy.casting.ALLOW / DENY."
         )
     return names
 

@@ -26,6 +26,7 @@ from jmp_policy import _jaxpr, _naming
 from jmp_policy._tracing import trace as trace  # importable here too
 from jmp_policy._tracing import traced_once as traced_once
 from jmp_policy.block_scaled import SCOPE
+from jmp_policy.errors import PrecisionWarning as PrecisionWarning  # importable here too
 from jmp_policy.fp8 import fp8_eligible, fp8_excluded_by
 from jmp_policy.matmul import CPU_WIDENED
 from jmp_policy.overrides import FLOAT32_ISLAND, FULL_PRECISION_REGION
@@ -336,10 +337,6 @@ def module_path_of(name_stack: str) -> str:
     names left out; "" for none)."""
     path = _naming.module_path(name_stack, (FLOAT32_ISLAND, FULL_PRECISION_REGION))
     return "" if path == _naming.TOP_LEVEL else path
-
-
-class PrecisionWarning(UserWarning):
-    """Mixed precision is not doing what the policy says (e.g. float32 matmuls slipped through)."""
 
 
 _WARNED: set[str] = set()

@@ -19,15 +19,12 @@ import numpy as np
 from jmp_policy._gradient_stats import GradientStats as GradientStats  # its public home
 from jmp_policy._validation import MANY_SPIKES, warn_once_per_mistake
 from jmp_policy.census import PrecisionWarning
+from jmp_policy.errors import NonFiniteLossError as NonFiniteLossError  # importable here too
 from jmp_policy.loss_scale import DynamicLossScale
 from jmp_policy.transform import SKIP_CAUSES, find_loss_scaling_state, host_value
 
 UNSCALED_HINT_SCALE = 2.0**24
 """A dynamic scale past this (Apex's cap) with no overflow ever: the gradients were not scaled."""
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Training keeps skipping steps: the loss or the data is not finite."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +48,7 @@ class LossScalingReport:
         left before that leaf overflows); None when not collected (yet).
       stats_step: the step they were collected at (None when not collected).
       skip_causes: skipped steps by cause, `{cause: count}` for each of
-        `jmp_policy.SKIP_CAUSES` ("non-finite loss", "non-finite gradients", "spike");
+        `jmp_policy.scaling.SKIP_CAUSES` ("non-finite loss", "non-finite gradients", "spike");
         `str()` lists them when any cause but overflowing gradients occurred.
       last_skip_cause: the latest skipped step's cause, or None before any skip. While the
         latest step was skipped, `str()` says the cause in words with its fix.
@@ -253,7 +250,7 @@ def check_loss_scaling(opt_state: Any, max_nonfinite_run: int = 20) -> LossScali
     Returns:
       The `LossScalingReport`, when the run is shorter than `max_nonfinite_run`. When the
       report has a `hint` (a scale past 2^24 that never overflowed: unscaled gradients), a
-      `jmp_policy.PrecisionWarning` says it too.
+      `jmp_policy.errors.PrecisionWarning` says it too.
 
     Raises:
       NonFiniteLossError: `max_nonfinite_run` or more consecutive steps were

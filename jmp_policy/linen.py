@@ -419,7 +419,7 @@ def mixed_precision(
     holds, become the compute dtype of the module's policy; an integer or bool
     `dtype` is left alone. On the first `apply` with each input signature the
     mixed program is traced once (abstractly) and a
-    `jmp_policy.PrecisionWarning` names the modules whose matmuls or convs
+    `jmp_policy.errors.PrecisionWarning` names the modules whose matmuls or convs
     still run in float32 outside overrides, and why.
 
     Returns:

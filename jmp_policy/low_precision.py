@@ -400,3 +400,15 @@ def _find_state(opt_state: Any) -> LowPrecisionState:
             f"{len(found) or 'none'} in a {type(opt_state).__name__}."
         )
     return found[0]
+
+
+__all__ = [
+    "MODES",
+    "LowPrecisionState",
+    "field_decays",
+    "join_float32",
+    "low_precision_optimizer",
+    "master_params",
+    "split_float32",
+    "stochastic_round",
+]

@@ -152,8 +152,8 @@ def loss_scaling(
         stats_every = whole_number(stats_every, "stats_every", low=1)
     if skip_spikes is not None and not isinstance(skip_spikes, SkipSpikes):
         raise TypeError(
-            "Expected a jmp_policy.SkipSpikes (e.g. SkipSpikes(threshold=10.0)) or None for "
-            f"`skip_spikes`, got {type(skip_spikes).__name__}."
+            "Expected a jmp_policy.scaling.SkipSpikes (e.g. SkipSpikes(threshold=10.0)) or None "
+            f"for `skip_spikes`, got {type(skip_spikes).__name__}."
         )
     try:
         judged_in = jnp.dtype(stats_dtype)

@@ -112,7 +112,7 @@ def spikes_agreed():
         optax.sgd(0.1),
         jmp.DynamicLossScale(2.0**4),
         axis_name="data",
-        skip_spikes=jmp.SkipSpikes(warmup=1),
+        skip_spikes=jmp.scaling.SkipSpikes(warmup=1),
     )
     params, x, y = make()
     spiky = y.at[32:40].multiply(100.0)  # device 4's 8 rows

@@ -289,7 +289,7 @@ def test_a_primitive_without_a_rule_runs_as_traced_and_is_reported():
         return doubled.bind(x @ w) @ w
 
     w, x = jnp.eye(K) * 0.5, _inputs()["x"]
-    with pytest.warns(jmp.PrecisionWarning, match="jmp_test_doubled"):
+    with pytest.warns(jmp.errors.PrecisionWarning, match="jmp_test_doubled"):
         program = jax.make_jaxpr(jmp.autocast(f, "mixed_float16"))(w, x)
     (eqn,) = [e for e, _ in _jaxpr.walk(program) if e.primitive is doubled]
     assert eqn.invars[0].aval.dtype == jnp.float32  # as traced

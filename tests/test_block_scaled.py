@@ -318,7 +318,7 @@ def test_every_integration_multiplies_in_the_block_format(mode):
     # The emulation's matmul is its format's, not a float32 matmul slipped through: the
     # integrations do not warn of it (they do of a float32 one, `tests/test_flax.py`).
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jmp.PrecisionWarning)
+        warnings.simplefilter("error", jmp.errors.PrecisionWarning)
         linen.apply(variables, x)
         model(x)
     mlp = jmp.eqx.mixed_precision(eqx.nn.MLP(64, 32, 64, 1, key=jax.random.key(2)), policy)

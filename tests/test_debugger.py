@@ -220,7 +220,7 @@ def test_activation_statistics_inside_a_jitted_step_every_n_steps():
         logits = model.apply({"params": params}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
 
-    with_stats = jmp.value_and_grad_with_stats(loss, dtype="float16")
+    with_stats = jmp.reports.value_and_grad_with_stats(loss, dtype="float16")
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, i):
@@ -276,7 +276,7 @@ def test_in_program_statistics_equal_the_eager_ones():
         logits = model.apply({"params": params}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
 
-    _, _, stats = jax.jit(jmp.value_and_grad_with_stats(loss, dtype="bfloat16"))(params, X)
+    _, _, stats = jax.jit(jmp.reports.value_and_grad_with_stats(loss, dtype="bfloat16"))(params, X)
     eager_report = jmp.debug_precision(loss, params, X, dtype="bfloat16")
     assert stats.matmul_layers == eager_report.matmul_layers
     ours, eager = by_layer(stats.report()), by_layer(eager_report)
@@ -290,7 +290,7 @@ def test_in_program_statistics_equal_the_eager_ones():
             rtol=1e-6,
         )
     with pytest.raises(TypeError, match="`dtype`"):
-        jmp.value_and_grad_with_stats(loss, dtype="int8")
+        jmp.reports.value_and_grad_with_stats(loss, dtype="int8")
 
 
 def test_a_masking_constant_is_not_an_overflow():
@@ -424,7 +424,7 @@ def test_nnx_layers_are_named_by_attribute_path(pattern):
     if pattern == "module":  # nnx.value_and_grad style: the module is the argument
         report = jmp.debug_precision(lambda m, x: jnp.mean(m(x) ** 2), model, x)
     elif pattern == "in-program":
-        f = jmp.value_and_grad_with_stats(lambda m, x: jnp.mean(m(x) ** 2))
+        f = jmp.reports.value_and_grad_with_stats(lambda m, x: jnp.mean(m(x) ** 2))
         report = jax.jit(f)(model, x)[2].report()
     else:
         if pattern == "mixed_precision":
@@ -450,7 +450,7 @@ def test_nnx_layers_are_named_by_attribute_path(pattern):
         jmp.nnx.mixed_precision(_nnx_model(), "mixed_float16", overrides)  # every path matches
         assert not {e.layer for e in report.op_errors} & set(report.float32_layers)
         # Statistics computed inside a jitted step judge the same way and advise the same.
-        f = jmp.value_and_grad_with_stats(loss)
+        f = jmp.reports.value_and_grad_with_stats(loss)
         in_program = jax.jit(f)(state, x)[2].report()
         assert in_program.judged == "target"
         assert in_program.float32_layers == report.float32_layers

@@ -16,7 +16,9 @@ def test_report_fields_and_log_line():
     step = jax.jit(tx.update)
     report = jmp.loss_scaling_report(state)
     causes = {"non-finite loss": 0, "non-finite gradients": 0, "spike": 0}
-    assert report == jmp.LossScalingReport(16.0, 0, 0, 0, False, False, (), skip_causes=causes)
+    assert report == jmp.scaling.LossScalingReport(
+        16.0, 0, 0, 0, False, False, (), skip_causes=causes
+    )
     good = jax.tree.map(jnp.ones_like, params)
     for _ in range(2):
         _, state = step(good, state, params)
@@ -46,7 +48,7 @@ def test_report_through_train_state_and_chain():
         jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**15)),
     )
     state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
-    report = jmp.check_loss_scaling(state)
+    report = jmp.scaling.check_loss_scaling(state)
     assert report.loss_scale == 2.0**15 and report.skipped_steps == 0
     with pytest.raises(ValueError, match="loss_scaling"):
         jmp.loss_scaling_report(optax.adam(1e-3).init({"w": jnp.ones(2)}))
@@ -60,17 +62,18 @@ def test_stuck_training_becomes_visible():
     nan_loss_grads = {"enc": {"w": jnp.array([jnp.nan, 1.0])}, "dec": {"w": jnp.ones(2)}}
     for _ in range(5):
         _, state = step(nan_loss_grads, state, params)
-    with pytest.warns(jmp.PrecisionWarning, match="sits at its floor"):  # not yet an error
-        report = jmp.check_loss_scaling(state, max_nonfinite_run=6)
+    with pytest.warns(jmp.errors.PrecisionWarning, match="sits at its floor"):  # not yet an error
+        report = jmp.scaling.check_loss_scaling(state, max_nonfinite_run=6)
     assert report.nonfinite_run == 5 and report.at_floor
     assert jmp.loss_scaling_report(state).nonfinite_paths == ("['enc']['w']",)
     _, state = step(nan_loss_grads, state, params)
     with pytest.raises(
-        jmp.NonFiniteLossError, match=r"6 consecutive steps .* at its floor.* \['enc'\]\['w'\]"
+        jmp.errors.NonFiniteLossError,
+        match=r"6 consecutive steps .* at its floor.* \['enc'\]\['w'\]",
     ):
-        jmp.check_loss_scaling(state, max_nonfinite_run=6)
+        jmp.scaling.check_loss_scaling(state, max_nonfinite_run=6)
     with pytest.raises(ValueError, match="`max_nonfinite_run`"):
-        jmp.check_loss_scaling(state, max_nonfinite_run=0)
+        jmp.scaling.check_loss_scaling(state, max_nonfinite_run=0)
 
 
 @pytest.mark.standard_promotion  # user code: optax mixes float and int
@@ -82,7 +85,7 @@ def test_a_scale_that_never_overflows_past_2_24_points_to_value_and_scaled_grad(
     state = tx.init(params)
     loss_fn = lambda p: jnp.sum(p["w"] ** 2)  # noqa: E731
     step = jax.jit(lambda p, s: tx.update(jax.grad(loss_fn)(p), s, p))
-    with pytest.warns(jmp.LossScalingWarning, match="value_and_scaled_grad"):  # at the trace
+    with pytest.warns(jmp.errors.LossScalingWarning, match="value_and_scaled_grad"):  # at the trace
         _, state = step(params, state)
     for _ in range(8):  # 2^15 -> 2^24: not yet past it
         _, state = step(params, state)
@@ -93,8 +96,8 @@ def test_a_scale_that_never_overflows_past_2_24_points_to_value_and_scaled_grad(
     assert report.loss_scale == 2.0**25 and report.skipped_steps == 0
     assert "value_and_scaled_grad" in report.hint and "2^25" in report.hint
     assert "not computed from the scaled loss" in str(report)
-    with pytest.warns(jmp.PrecisionWarning, match="value_and_scaled_grad"):
-        jmp.check_loss_scaling(state)
+    with pytest.warns(jmp.errors.PrecisionWarning, match="value_and_scaled_grad"):
+        jmp.scaling.check_loss_scaling(state)
     # Done right, the same step has no hint: the scale is what the gradients' range allows.
     right = jax.jit(lambda p, s: tx.update(jmp.value_and_scaled_grad(loss_fn)(s, p)[1], s, p))
     state = tx.init(params)

@@ -173,7 +173,7 @@ def test_batch_stats_stay_float32_and_match_a_float32_reference():
             ref["var"] = np.float32(0.9) * ref["var"] + np.float32(0.1) * var
     assert {s.dtype for s in jax.tree.leaves(stats)} == {F32}
     chex.assert_trees_all_close(stats, reference, rtol=1e-4, atol=1e-5)
-    assert int(jmp.find_loss_scaling_state(state).applied_steps) >= 18
+    assert int(jmp.scaling.find_loss_scaling_state(state).applied_steps) >= 18
 
 
 def _synthetic_task():

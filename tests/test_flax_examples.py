@@ -58,11 +58,11 @@ class _Trainer:
 
     def carried(self):
         params, state, opt_state = self.carry
-        return params, state, jmp.find_loss_scaling_state(opt_state).inner_state
+        return params, state, jmp.scaling.find_loss_scaling_state(opt_state).inner_state
 
     @property
     def scaling(self):
-        return jmp.find_loss_scaling_state(self.carry[2])
+        return jmp.scaling.find_loss_scaling_state(self.carry[2])
 
 
 class _NnxTrainer(_Trainer):
@@ -85,13 +85,13 @@ class _NnxTrainer(_Trainer):
             (
                 nnx.state(model, nnx.Param),
                 nnx.state(model, nnx.Not(nnx.Param)),
-                jmp.find_loss_scaling_state(optimizer).inner_state,
+                jmp.scaling.find_loss_scaling_state(optimizer).inner_state,
             ),
         )
 
     @property
     def scaling(self):
-        return jmp.find_loss_scaling_state(self.carry[1])
+        return jmp.scaling.find_loss_scaling_state(self.carry[1])
 
 
 def _rngs(seed):

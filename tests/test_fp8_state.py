@@ -236,7 +236,7 @@ def test_a_skipped_step_keeps_every_fp8_state_bit_for_bit(bad):
     _, states, opt_state = _train(
         _linen, RECIPE, steps=5, scale=jmp.DynamicLossScale(2.0**10), batches=batches
     )
-    assert int(jmp.find_loss_scaling_state(opt_state).skipped_steps) == 1
+    assert int(jmp.scaling.find_loss_scaling_state(opt_state).skipped_steps) == 1
     before, skipped, after = (_only_states(states[i]["fp8_state"]) for i in (2, 3, 4))
     for b, s in zip(before, skipped, strict=True):
         jax.tree.map(np.testing.assert_array_equal, b, s)

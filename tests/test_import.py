@@ -42,10 +42,18 @@ def test_flax_serialization_registered_whichever_is_imported_first():
     assert first == second == "8.0 3"
 
 
+JMP_NAMES = {
+    "Policy", "get_policy", "cast_to_full", "cast_to_half", "half_dtype", "LossScale",
+    "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "all_finite", "select_tree",
+}  # fmt: skip
+
+
 def test_public_names():
     assert list(jmp.__all__) == sorted(jmp.__all__)
     assert all(hasattr(jmp, name) for name in jmp.__all__)
-    assert {"linen", "nnx"} <= set(dir(jmp))
+    # jmp's eleven, and ten for a train step and its reports (issue 61: about twenty).
+    assert JMP_NAMES <= set(jmp.__all__) and len(jmp.__all__) <= 22
+    assert {"linen", "nnx", "eqx", "scaling", "casting", "reports", "errors"} <= set(dir(jmp))
     # One name per concept: the merged and the internal names are gone.
     for gone in ("precision_census", "Census", "nonfinite_paths", "leaf_finite_vector"):
         assert not hasattr(jmp, gone), gone
@@ -82,3 +90,36 @@ def test_no_import_circle_between_the_library_modules():
     circles = sorted(m for m in graph if reaches(m, m, {m}))
     assert not circles, {m: sorted(graph[m]) for m in circles}
     assert "low_precision" not in graph["transform"]  # the circle issue 36 named
+
+
+def test_names_that_left_the_top_level_still_work_with_a_warning_naming_their_module():
+    import importlib
+    import warnings
+
+    for name, (module, attribute) in jmp._MOVED.items():
+        home = getattr(importlib.import_module(f"jmp_policy.{module}"), attribute)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert getattr(jmp, name) is home
+        (warning,) = caught
+        assert warning.category is DeprecationWarning
+        assert f"jmp_policy.{module}.{attribute}" in str(warning.message)
+        assert warning.filename == __file__  # points at the caller
+        assert name not in jmp.__all__ and attribute in importlib.import_module(
+            f"jmp_policy.{module}"
+        ).__all__
+
+
+def test_the_api_reference_documents_the_top_level_and_only_it():
+    import pathlib
+    import re
+
+    api = (pathlib.Path(__file__).parents[1] / "docs" / "api.md").read_text()
+    top = set(re.findall(r"^::: jmp_policy\.(\w+)$", api, re.M))
+    assert top == set(jmp.__all__), (top ^ set(jmp.__all__))
+    # Every other entry names a module path that exists.
+    for path in re.findall(r"^::: (jmp_policy\.\w+\.[\w.]+)$", api, re.M):
+        module, _, name = path.rpartition(".")
+        import importlib
+
+        assert hasattr(importlib.import_module(module), name), path

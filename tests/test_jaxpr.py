@@ -167,7 +167,7 @@ def test_the_primitive_tables_hold_primitives_of_the_installed_jax():
     assert first(with_custom_vjp, W, X) is _jaxpr.CUSTOM_VJP
     assert first(lambda w, x: x @ w, W, X) is _jaxpr.DOT_GENERAL
     assert {e.primitive for e in jax.make_jaxpr(ragged)(W, X).eqns} & {_jaxpr.RAGGED_DOT}
-    assert jmp.AUTOCAST_ALLOW == _jaxpr.matmul_names()
+    assert jmp.casting.ALLOW == _jaxpr.matmul_names()
 
 
 def test_fallback_names_are_absent_on_purpose_and_still_read():
@@ -241,10 +241,10 @@ def test_every_primitive_the_installed_jax_exports_has_one_rule():
             _jaxpr.AS_TRACED,
         )
     # The lists users read and write by name are the table's.
-    assert jmp.AUTOCAST_ALLOW == _jaxpr.names_running_in(_jaxpr.COMPUTE) == _jaxpr.matmul_names()
-    assert jmp.AUTOCAST_DENY == _jaxpr.names_running_in(_jaxpr.FLOAT32)
-    assert {"exp", "log", "reduce_sum", "cumsum", "rsqrt"} <= jmp.AUTOCAST_DENY
-    assert {"fft", "svd", "cholesky"} <= jmp.AUTOCAST_NO_HALF_KERNEL
+    assert jmp.casting.ALLOW == _jaxpr.names_running_in(_jaxpr.COMPUTE) == _jaxpr.matmul_names()
+    assert jmp.casting.DENY == _jaxpr.names_running_in(_jaxpr.FLOAT32)
+    assert {"exp", "log", "reduce_sum", "cumsum", "rsqrt"} <= jmp.casting.DENY
+    assert {"fft", "svd", "cholesky"} <= jmp.casting.NO_HALF_KERNEL
 
 
 def test_the_rules_read_by_name_are_for_primitives_jax_binds_and_does_not_export():

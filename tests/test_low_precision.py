@@ -56,7 +56,9 @@ def test_a_thousand_small_updates_survive(rounding, expected, tolerance):
         reference = np.float32(1.0)
         for _ in range(1000):
             reference = np.float32(reference + np.float32(1e-4))
-        np.testing.assert_array_equal(jmp.master_params(params, state)["w"], reference)
+        np.testing.assert_array_equal(
+            jmp.low_precision.master_params(params, state)["w"], reference
+        )
     nearest = jnp.ones(4096, BF16)
     for _ in range(1000):
         nearest = (nearest.astype(F32) + 1e-4).astype(BF16)
@@ -100,7 +102,7 @@ def test_split_is_bit_identical_to_float32_adamw_over_100_steps():
     )  # fmt: skip
     tx = jmp.low_precision_optimizer(optax.adamw(1e-3), "split")
     params, state = run(tx, start, grads_of, 100, DEFAULT_CODEGEN)
-    master = jmp.master_params(params, state)
+    master = jmp.low_precision.master_params(params, state)
     for got, want in zip(jax.tree.leaves(master), jax.tree.leaves(reference), strict=True):
         np.testing.assert_array_equal(got, want)
     assert {p.dtype for p in jax.tree.leaves(params)} == {BF16}
@@ -163,7 +165,7 @@ def test_train_state_and_nnx_optimizer():
     ts = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(4, BF16)}, tx=tx)
     ts = ts.apply_gradients(grads={"w": jnp.ones(4)})
     assert ts.params["w"].dtype == BF16 and float(ts.params["w"][0].astype(F32)) < 1.0
-    assert jmp.master_params(ts.params, ts).keys() == {"w"}
+    assert jmp.low_precision.master_params(ts.params, ts).keys() == {"w"}
 
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -172,7 +174,7 @@ def test_train_state_and_nnx_optimizer():
     optimizer.update(model, grads)
     assert model.kernel[...].dtype == BF16
     assert not np.array_equal(before, np.asarray(model.kernel[...].astype(F32)))
-    master = jmp.master_params(nnx.state(model, nnx.Param), optimizer)
+    master = jmp.low_precision.master_params(nnx.state(model, nnx.Param), optimizer)
     assert jax.tree.leaves(master)[0].dtype == F32
 
 

@@ -45,7 +45,7 @@ def test_plain_gradients_next_to_loss_scaling_warn_at_the_first_step_on_the_user
         return optax.apply_updates(params, updates), opt_state, loss
 
     opt_state = tx.init(PARAMS)
-    with pytest.warns(jmp.LossScalingWarning, match="value_and_scaled_grad") as caught:
+    with pytest.warns(jmp.errors.LossScalingWarning, match="value_and_scaled_grad") as caught:
         params, opt_state, _ = train_step(PARAMS, opt_state, X)
     assert caught[0].filename == __file__
     with warnings.catch_warnings():
@@ -91,7 +91,7 @@ def fresh_process(monkeypatch):
 def test_plain_gradients_from_another_jitted_function_warn_when_the_first_step_runs():
     plain = lambda state, x: jax.value_and_grad(_loss)(state.params, x)  # noqa: E731
     run = _flax_layout(_scaled_tx(), plain)
-    with pytest.warns(jmp.LossScalingWarning, match="value_and_scaled_grad") as caught:
+    with pytest.warns(jmp.errors.LossScalingWarning, match="value_and_scaled_grad") as caught:
         run()
     assert [w.filename for w in caught] == [__file__]
     assert "computed in another function" in str(caught[0].message)
@@ -191,7 +191,7 @@ def test_equinox_and_nnx_train_steps_do_not_warn_and_their_plain_grads_do():
         return lambda: step(model, opt_state, X)
 
     _no_warning(eqx_step(lambda s, m, x: jmp.eqx.filter_value_and_scaled_grad(loss_fn)(s, m, x)[1]))
-    with pytest.warns(jmp.LossScalingWarning, match="filter_value_and_scaled_grad"):
+    with pytest.warns(jmp.errors.LossScalingWarning, match="filter_value_and_scaled_grad"):
         eqx_step(lambda s, m, x: eqx.filter_grad(loss_fn)(m, x))()
 
     def nnx_step(scaled):
@@ -206,7 +206,7 @@ def test_equinox_and_nnx_train_steps_do_not_warn_and_their_plain_grads_do():
         return lambda: step(net, optimizer, X)
 
     _no_warning(nnx_step(scaled=True))
-    with pytest.warns(jmp.LossScalingWarning, match="nnx.value_and_grad"):
+    with pytest.warns(jmp.errors.LossScalingWarning, match="nnx.value_and_grad"):
         nnx_step(scaled=False)()
 
 
@@ -273,14 +273,14 @@ def test_tracing_update_alone_is_silent_and_does_not_use_up_the_check():
     _no_warning(lambda: jax.make_jaxpr(tx.update)(PARAMS, opt_state, PARAMS))
     _no_warning(lambda: jax.jit(tx.update).lower(PARAMS, opt_state, PARAMS))
     _no_warning(lambda: jax.eval_shape(tx.update, PARAMS, opt_state, PARAMS))
-    with pytest.warns(jmp.LossScalingWarning, match="value_and_scaled_grad"):
+    with pytest.warns(jmp.errors.LossScalingWarning, match="value_and_scaled_grad"):
         _plain_step(tx)(PARAMS, opt_state, X)  # the real first step is still checked
 
 
 def test_plain_gradients_warn_also_after_another_optimizers_correct_steps():
     tx = _scaled_tx()  # built first; then another optimizer scales a loss correctly
     _no_warning(_first_step(_scaled_tx()))
-    with pytest.warns(jmp.LossScalingWarning, match="value_and_scaled_grad"):
+    with pytest.warns(jmp.errors.LossScalingWarning, match="value_and_scaled_grad"):
         _plain_step(tx)(PARAMS, tx.init(PARAMS), X)
 
 
@@ -328,7 +328,7 @@ def test_a_policy_with_16_bit_parameters_on_a_model_warns_at_the_users_line(appl
     assert caught[0].filename == __file__
 
 
-@pytest.mark.filterwarnings("ignore::jmp_policy.LossScalingWarning")  # hand-made gradients
+@pytest.mark.filterwarnings("ignore::jmp_policy.errors.LossScalingWarning")  # hand-made gradients
 def test_the_report_says_when_the_scale_sits_at_its_floor():
     tx = jmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(4.0, min_loss_scale=1.0))
     opt_state = tx.init(PARAMS)
@@ -455,6 +455,8 @@ def test_nnx_gradients_from_another_nnx_jit_warn_unless_scaled():
     # and the check would take plain gradients for scaled ones (docs/mistakes.md says so).
     _misuse._SCALES_READ.clear()
     _validation._SAID.clear()
-    with pytest.warns(jmp.LossScalingWarning, match="computed in another function") as caught:
+    with pytest.warns(
+        jmp.errors.LossScalingWarning, match="computed in another function"
+    ) as caught:
         run(scaled=False)
     assert [w.filename for w in caught] == [__file__]

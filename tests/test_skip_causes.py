@@ -29,7 +29,7 @@ def _train(scale):
     tx = jmp.loss_scaling(
         optax.sgd(1e-2, momentum=0.9),
         jmp.DynamicLossScale(scale),
-        skip_spikes=jmp.SkipSpikes(warmup=3),
+        skip_spikes=jmp.scaling.SkipSpikes(warmup=3),
     )
 
     def loss_fn(params, batch_stats, x, targets, times, gradient_times):
@@ -77,15 +77,15 @@ def test_each_cause_is_recorded_and_keeps_every_state(planted):
     params, stats, opt_state = step(
         params, stats, opt_state, x, targets, jnp.float32(times), jnp.float32(gradient_times)
     )
-    state = jmp.find_loss_scaling_state(opt_state)
+    state = jmp.scaling.find_loss_scaling_state(opt_state)
     assert bool(state.last_step_skipped)
     for a, b in zip(jax.tree.leaves(before[:2]), jax.tree.leaves((params, stats)), strict=True):
         np.testing.assert_array_equal(a, b)  # parameters and batch statistics
     kept = [before[2], opt_state]
-    inner = [jmp.find_loss_scaling_state(s).inner_state for s in kept]
+    inner = [jmp.scaling.find_loss_scaling_state(s).inner_state for s in kept]
     for a, b in zip(*map(jax.tree.leaves, inner), strict=True):
         np.testing.assert_array_equal(a, b)  # the optimizer's state
-    old_scale = jmp.find_loss_scaling_state(before[2]).loss_scale
+    old_scale = jmp.scaling.find_loss_scaling_state(before[2]).loss_scale
     if cause == "non-finite gradients":
         assert float(state.loss_scale.loss_scale) == float(old_scale.loss_scale) / 2
     else:
@@ -94,7 +94,7 @@ def test_each_cause_is_recorded_and_keeps_every_state(planted):
             np.testing.assert_array_equal(a, b)
     report = jmp.loss_scaling_report(opt_state)
     assert report.last_skip_cause == cause
-    assert report.skip_causes == {c: int(c == cause) for c in jmp.SKIP_CAUSES}
+    assert report.skip_causes == {c: int(c == cause) for c in jmp.scaling.SKIP_CAUSES}
     assert f"the last step was skipped for {cause}" in str(report)
     words = {
         "non-finite loss": ["debug_precision", "left as it was"],
@@ -167,7 +167,7 @@ def _spiky(**config):
     tx = jmp.loss_scaling(
         optax.sgd(0.1, momentum=0.9),
         jmp.DynamicLossScale(2.0**4, period=1000),
-        skip_spikes=jmp.SkipSpikes(**{"warmup": 5, "max_run": 3, **config}),
+        skip_spikes=jmp.scaling.SkipSpikes(**{"warmup": 5, "max_run": 3, **config}),
     )
     params = {"w": jnp.ones(4), "b": jnp.zeros(2)}
     return tx, params, tx.init(params), jax.jit(tx.update)
@@ -278,7 +278,7 @@ def test_spike_states_are_data_under_vmap_and_tree_map():
     spiky = jax.tree.map(lambda *x: jnp.stack(x), _grads(1.0), _grads(50.0))
     _, states = jax.vmap(tx.update)(spiky, states, both)
     assert states.last_step_skipped.tolist() == [False, True]  # each member decides alone
-    assert isinstance(states.spike_stats, jmp.SpikeStats)
+    assert isinstance(states.spike_stats, jmp.scaling.SpikeStats)
 
 
 @pytest.mark.parametrize(
@@ -295,7 +295,7 @@ def test_spike_states_are_data_under_vmap_and_tree_map():
 )
 def test_skip_spikes_is_checked_at_construction(config, error, match):
     with pytest.raises(error, match=match):
-        jmp.SkipSpikes(**config)
+        jmp.scaling.SkipSpikes(**config)
 
 
 def test_skip_spikes_must_be_a_skip_spikes():
@@ -324,8 +324,8 @@ def _healthy_and_corrupted(name, seed):
     runs = _spike_runs()
     steps = runs.RUNS[name].steps
     without = runs.train(name, seed)
-    clean = runs.train(name, seed, jmp.SkipSpikes())
-    corrupted = runs.train(name, seed, jmp.SkipSpikes(), corrupt_at=(1000, steps - 1))
+    clean = runs.train(name, seed, jmp.scaling.SkipSpikes())
+    corrupted = runs.train(name, seed, jmp.scaling.SkipSpikes(), corrupt_at=(1000, steps - 1))
     # At most 0.1% of a healthy run's steps skipped, its held-out loss kept.
     assert len(clean["skipped"]) <= steps // 1000, clean["skipped"]
     assert abs(clean["held_out"] / without["held_out"] - 1) <= 0.005
@@ -361,7 +361,7 @@ def test_many_spikes_warn_once():
     state, params = _noisy(state, params, update, steps=10)
     for _ in range(6):
         _, state = update(_grads(1.0), state, params, value=jnp.float32(1e3))
-    with pytest.warns(jmp.PrecisionWarning, match="6 of 16 steps as spikes"):
+    with pytest.warns(jmp.errors.PrecisionWarning, match="6 of 16 steps as spikes"):
         jmp.loss_scaling_report(state)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

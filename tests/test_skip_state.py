@@ -159,11 +159,11 @@ def test_linen_forward_overflow_keeps_batch_stats_under_donation():
 
     donated = jax.jit(train_step, donate_argnums=0)  # the state's buffers reused
     state, _ = donated(state, x, y)
-    inner = lambda s: jmp.find_loss_scaling_state(s.opt_state).inner_state  # noqa: E731
+    inner = lambda s: jmp.scaling.find_loss_scaling_state(s.opt_state).inner_state  # noqa: E731
     before = _copy((state.params, inner(state), state.batch_stats))
     state, loss = donated(state, bad, y)
     assert not np.isfinite(float(loss))
-    assert bool(jmp.find_loss_scaling_state(state.opt_state).last_step_skipped)
+    assert bool(jmp.scaling.find_loss_scaling_state(state.opt_state).last_step_skipped)
     _assert_same(before, (state.params, inner(state), state.batch_stats))
     losses = []
     for _ in range(6):  # the next clean steps train
@@ -197,13 +197,13 @@ def test_nnx_forward_overflow_keeps_batch_stats_and_rng_counts():
 
     x, bad, y = _batches()
     train_step(model, optimizer, x, y)
-    inner = lambda: jmp.find_loss_scaling_state(optimizer).inner_state  # noqa: E731
+    inner = lambda: jmp.scaling.find_loss_scaling_state(optimizer).inner_state  # noqa: E731
     state = lambda: nnx.state(model, nnx.Not(nnx.Param))  # noqa: E731
     before = _copy((nnx.state(model, nnx.Param), inner(), state()))
     assert len(jax.tree.leaves(before[2])) >= 3  # batch mean, variance and an RNG count
     loss = train_step(model, optimizer, bad, y)
     assert not np.isfinite(float(loss))
-    assert bool(jmp.find_loss_scaling_state(optimizer).last_step_skipped)
+    assert bool(jmp.scaling.find_loss_scaling_state(optimizer).last_step_skipped)
     _assert_same(before, (nnx.state(model, nnx.Param), inner(), state()))
     losses = [float(train_step(model, optimizer, x, y)) for _ in range(6)]
     assert _all_finite(state()) and np.isfinite(losses).all() and losses[-1] < losses[0]
@@ -231,12 +231,12 @@ def test_nnx_scan_over_layers_with_a_float32_batchnorm_trains_and_skips_bit_for_
     y = jnp.sin(x)
     losses = [float(train_step(model, optimizer, x, y)) for _ in range(20)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
-    inner = lambda: jmp.find_loss_scaling_state(optimizer).inner_state  # noqa: E731
+    inner = lambda: jmp.scaling.find_loss_scaling_state(optimizer).inner_state  # noqa: E731
     state = lambda: nnx.state(model, nnx.Not(nnx.Param))  # noqa: E731
     before = _copy((nnx.state(model, nnx.Param), inner(), state()))
     assert len(jax.tree.leaves(nnx.state(model, nnx.BatchStat))) == 2  # mean, var of 5 layers
     train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
-    assert bool(jmp.find_loss_scaling_state(optimizer).last_step_skipped)
+    assert bool(jmp.scaling.find_loss_scaling_state(optimizer).last_step_skipped)
     _assert_same(before, (nnx.state(model, nnx.Param), inner(), state()))
 
 

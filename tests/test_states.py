@@ -27,12 +27,12 @@ def _states():
         optax.adam(1e-3),
         jmp.DynamicLossScale(2.0**15),
         stats_every=5,
-        skip_spikes=jmp.SkipSpikes(),
+        skip_spikes=jmp.scaling.SkipSpikes(),
     )
     loss_scaling_state = scaled.init(PARAMS)
     with jax.numpy_dtype_promotion("standard"):
         low = jmp.low_precision_optimizer(optax.adamw(1e-3), "kahan").init(PARAMS)
-    f = jmp.value_and_grad_with_stats(lambda p: jnp.sum(p["w"] ** 2))
+    f = jmp.reports.value_and_grad_with_stats(lambda p: jnp.sum(p["w"] ** 2))
     _, _, precision_stats = jax.jit(f)(PARAMS)
     return {
         "NoOpLossScale": jmp.NoOpLossScale(),

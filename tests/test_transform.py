@@ -299,13 +299,13 @@ def test_multisteps_outside_skips_the_whole_window():
     assert seen_scales == [4.0, 4.0, 4.0]
     chex.assert_trees_all_equal(params, {"w": jnp.zeros(2)})
     assert float(jmp.get_loss_scale(state).loss_scale) == 2.0
-    assert int(jmp.find_loss_scaling_state(state).skipped_steps) == 1
+    assert int(jmp.scaling.find_loss_scaling_state(state).skipped_steps) == 1
     assert bool(jnp.isnan(state.acc_grads["w"][0]))  # optax's reset: inf * 0
     for g in ([1.0, 1.0], [3.0, 1.0], [2.0, 1.0]):  # a clean window, still skipped
         updates, state = step({"w": jnp.array(g) * 2.0}, state, params)
         params = optax.apply_updates(params, updates)
     chex.assert_trees_all_equal(params, {"w": jnp.zeros(2)})
-    assert int(jmp.find_loss_scaling_state(state).skipped_steps) == 2
+    assert int(jmp.scaling.find_loss_scaling_state(state).skipped_steps) == 2
 
 
 @optax_promotion

@@ -121,7 +121,7 @@ def _train_transformer(policy_name, steps=40):
         return optax.apply_updates(params, updates), opt_state, loss
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jmp.PrecisionWarning)  # nothing slipped through
+        warnings.simplefilter("error", jmp.errors.PrecisionWarning)  # nothing slipped through
         jaxpr = jax.make_jaxpr(train_step)(params, opt_state, tokens[0])
     losses = []
     for i in range(steps):
@@ -188,7 +188,9 @@ def test_float32_matmuls_outside_overrides_warn_once_and_are_reported():
         step(variables, x)
         step(variables, x + 1)
         model.apply(variables, x)
-    messages = [str(w.message) for w in caught if issubclass(w.category, jmp.PrecisionWarning)]
+    messages = [
+        str(w.message) for w in caught if issubclass(w.category, jmp.errors.PrecisionWarning)
+    ]
     assert len(messages) == 1, messages
     assert "1 matmuls/convs still run in float32" in messages[0]
     assert "CastsUp: an operand is cast from float16 to float32" in messages[0]
@@ -205,7 +207,7 @@ def test_a_float32_policy_never_warns():
     x = jnp.ones((2, 8))
     variables = model.init(jax.random.key(0), x)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jmp.PrecisionWarning)
+        warnings.simplefilter("error", jmp.errors.PrecisionWarning)
         model.apply(variables, x)
 
 
@@ -266,7 +268,9 @@ def test_nnx_keeps_integer_dtypes_names_paths_and_warns_once():
         step(model, x)
         step(model, x)
         model(x)
-    messages = [str(w.message) for w in caught if issubclass(w.category, jmp.PrecisionWarning)]
+    messages = [
+        str(w.message) for w in caught if issubclass(w.category, jmp.errors.PrecisionWarning)
+    ]
     assert len(messages) == 1, messages
     assert "layers/0: an operand is cast from float16" in messages[0]
     assert "layers/1: an operand is cast from float16" in messages[0]
@@ -329,7 +333,7 @@ def test_a_models_own_weights_are_cast_at_their_use(integration, policy):
     loss_fn, grad_fn, weights, x = _own_params_loss(integration, policy)
     step = grad_fn(loss_fn)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jmp.PrecisionWarning)
+        warnings.simplefilter("error", jmp.errors.PrecisionWarning)
         loss, grads = jax.jit(step)(weights, x)
         # XLA:CPU has no bfloat16 matmul with a float32 result: on this machine a weight
         # gradient's operands are widened (`jmp_policy.matmul`), so bfloat16's forward pass.

@@ -248,7 +248,7 @@ def value_and_grad_with_stats(
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jmp_policy as jmp
-      >>> f = jmp.value_and_grad_with_stats(lambda w: jnp.sum(jnp.exp(w * 12.0)))
+      >>> f = jmp.reports.value_and_grad_with_stats(lambda w: jnp.sum(jnp.exp(w * 12.0)))
       >>> value, grads, stats = jax.jit(f)(jnp.ones(3))
       >>> [(s.direction, s.headroom) for s in stats.report().layers]  # exp(12) > 65504
       [('forward', -3), ('backward', -5)]

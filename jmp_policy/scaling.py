@@ -1,0 +1,34 @@
+"""Loss scaling beyond the top level: the state `loss_scaling` keeps and the records it
+reports, spike skipping, and the checks of a training run.
+
+The top level holds what a train step calls (`jmp_policy.loss_scaling`,
+`value_and_scaled_grad`, `get_loss_scale`, `unless_skipped`, `loss_scaling_report` and the
+loss scales); here is what a user reads or configures beside it:
+
+- `LossScalingState` (the optimizer state), `find_loss_scaling_state` (it, wherever it sits),
+  `LeafFlags` (which gradients held inf/NaN), `SKIP_CAUSES`;
+- `SkipSpikes`, `SpikeStats`: skipping steps whose loss or gradient norm spikes;
+- `LossScalingReport` (what `loss_scaling_report` returns), `check_loss_scaling` (raises
+  `jmp_policy.errors.NonFiniteLossError` when training keeps skipping).
+"""
+
+from jmp_policy.diagnostics import LossScalingReport, check_loss_scaling
+from jmp_policy.transform import (
+    SKIP_CAUSES,
+    LeafFlags,
+    LossScalingState,
+    SkipSpikes,
+    SpikeStats,
+    find_loss_scaling_state,
+)
+
+__all__ = [
+    "SKIP_CAUSES",
+    "LeafFlags",
+    "LossScalingReport",
+    "LossScalingState",
+    "SkipSpikes",
+    "SpikeStats",
+    "check_loss_scaling",
+    "find_loss_scaling_state",
+]
