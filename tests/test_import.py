@@ -105,9 +105,10 @@ def test_names_that_left_the_top_level_still_work_with_a_warning_naming_their_mo
         assert warning.category is DeprecationWarning
         assert f"jmp_policy.{module}.{attribute}" in str(warning.message)
         assert warning.filename == __file__  # points at the caller
-        assert name not in jmp.__all__ and attribute in importlib.import_module(
-            f"jmp_policy.{module}"
-        ).__all__
+        assert (
+            name not in jmp.__all__
+            and attribute in importlib.import_module(f"jmp_policy.{module}").__all__
+        )
 
 
 def test_the_api_reference_documents_the_top_level_and_only_it():
@@ -116,7 +117,7 @@ def test_the_api_reference_documents_the_top_level_and_only_it():
 
     api = (pathlib.Path(__file__).parents[1] / "docs" / "api.md").read_text()
     top = set(re.findall(r"^::: jmp_policy\.(\w+)$", api, re.M))
-    assert top == set(jmp.__all__), (top ^ set(jmp.__all__))
+    assert top == set(jmp.__all__), top ^ set(jmp.__all__)
     # Every other entry names a module path that exists.
     for path in re.findall(r"^::: (jmp_policy\.\w+\.[\w.]+)$", api, re.M):
         module, _, name = path.rpartition(".")
