@@ -54,9 +54,7 @@ class _Autocast:
             )
         graphdefs = nnx_graphdefs(args)
         if graphdefs:
-            from flax import nnx
-
-            args = tuple(nnx.state(a) if i in graphdefs else a for i, a in enumerate(args))
+            args = _states_of(args, graphdefs)
         arrays, (_, _, closed) = self._program(args, kwargs, graphdefs or None)
         sites = Sites(recipe)
 
@@ -184,9 +182,7 @@ class _Autocast:
             return jax.tree.unflatten(out_tree, region(*flat))
         # NNX modules go in as their states and come back written (BatchNorm's statistics,
         # Dropout's RNG counts), as under `nnx.jit`.
-        from flax import nnx
-
-        pure = tuple(nnx.state(a) if i in graphdefs else a for i, a in enumerate(args))
+        pure = _states_of(args, graphdefs)
         flat, (region, out_tree, _) = self._program(pure, kwargs, graphdefs, state)
         out, states = jax.tree.unflatten(out_tree, region(*flat))
         write_back(args, graphdefs, states)
@@ -223,3 +219,10 @@ def _weak(x: Any) -> bool:
     return bool(
         getattr(x, "weak_type", isinstance(x, (int, float, complex)) and not isinstance(x, bool))
     )
+
+
+def _states_of(args: tuple, graphdefs: dict) -> tuple:
+    """`args` with each NNX module (at the positions `graphdefs` holds) replaced by its state."""
+    from flax import nnx
+
+    return tuple(nnx.state(a) if i in graphdefs else a for i, a in enumerate(args))
