@@ -41,28 +41,28 @@ The guides and the API reference are in the repository's docs/ folder (`mkdocs s
 
 from typing import TYPE_CHECKING
 
-from jmp_policy import _flax_serialization
 from jmp_policy import casting as casting  # the families' modules, beside the top level
 from jmp_policy import errors as errors
 from jmp_policy import matmul as matmul
 from jmp_policy import reports as reports
 from jmp_policy import scaling as scaling
-from jmp_policy.autocast import autocast, full_precision
-from jmp_policy.census import precision_report
-from jmp_policy.debugger import debug_precision
-from jmp_policy.diagnostics import loss_scaling_report
-from jmp_policy.finite import all_finite
-from jmp_policy.loss_scale import (
+from jmp_policy._flax import serialization as _flax_serialization
+from jmp_policy._loss_scaling.diagnostics import loss_scaling_report
+from jmp_policy._loss_scaling.finite import all_finite
+from jmp_policy._loss_scaling.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
     select_tree,
 )
+from jmp_policy._loss_scaling.optimizer import get_loss_scale, loss_scaling, unless_skipped
+from jmp_policy._loss_scaling.scaled_grad import value_and_scaled_grad
+from jmp_policy._reports.census import precision_report
+from jmp_policy._reports.debugger import debug_precision
+from jmp_policy.autocast import autocast, full_precision  # the module first, then the function
 from jmp_policy.low_precision import low_precision_optimizer
 from jmp_policy.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
-from jmp_policy.scaled_grad import value_and_scaled_grad
-from jmp_policy.transform import get_loss_scale, loss_scaling, unless_skipped
 
 if TYPE_CHECKING:
     from jmp_policy import eqx as eqx

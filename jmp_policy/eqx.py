@@ -23,13 +23,13 @@ from typing import Any
 
 import equinox as eqx
 
-from jmp_policy import _naming
-from jmp_policy._fp8_state import checked_scaling
+from jmp_policy._core import naming as _naming
+from jmp_policy._core.overrides import Overrides
+from jmp_policy._fp8.state import checked_scaling
+from jmp_policy._loss_scaling.scaled_grad import value_and_scaled_grad
 from jmp_policy.autocast import autocast, full_precision
 from jmp_policy.fp8 import DelayedScaling
-from jmp_policy.overrides import Overrides
 from jmp_policy.policy import Policy, check_model_policy
-from jmp_policy.scaled_grad import value_and_scaled_grad
 
 
 def _call(model: Any, *args: Any, **kwargs: Any) -> Any:

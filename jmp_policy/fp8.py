@@ -38,19 +38,19 @@ from jax import lax
 from jax.typing import DTypeLike
 
 # Formats and scales, and delayed scaling, live in their own files; their names are fp8's.
-from jmp_policy._fp8_delayed import AMAX_FROM as AMAX_FROM
-from jmp_policy._fp8_delayed import DelayedScaling as DelayedScaling
-from jmp_policy._fp8_delayed import Fp8DotState as Fp8DotState
-from jmp_policy._fp8_delayed import Fp8Meta as Fp8Meta
-from jmp_policy._fp8_delayed import combine_microbatches as combine_microbatches
-from jmp_policy._fp8_delayed import fp8_dot_general_delayed as fp8_dot_general_delayed
-from jmp_policy._fp8_delayed import merge_microbatch as merge_microbatch
-from jmp_policy._fp8_delayed import next_state as next_state
-from jmp_policy._fp8_scaling import E4M3 as E4M3
-from jmp_policy._fp8_scaling import E5M2 as E5M2
-from jmp_policy._fp8_scaling import FORMATS as FORMATS
-from jmp_policy._fp8_scaling import SCALINGS as SCALINGS
-from jmp_policy._fp8_scaling import (
+from jmp_policy._fp8.delayed import AMAX_FROM as AMAX_FROM
+from jmp_policy._fp8.delayed import DelayedScaling as DelayedScaling
+from jmp_policy._fp8.delayed import Fp8DotState as Fp8DotState
+from jmp_policy._fp8.delayed import Fp8Meta as Fp8Meta
+from jmp_policy._fp8.delayed import combine_microbatches as combine_microbatches
+from jmp_policy._fp8.delayed import fp8_dot_general_delayed as fp8_dot_general_delayed
+from jmp_policy._fp8.delayed import merge_microbatch as merge_microbatch
+from jmp_policy._fp8.delayed import next_state as next_state
+from jmp_policy._fp8.scaling import E4M3 as E4M3
+from jmp_policy._fp8.scaling import E5M2 as E5M2
+from jmp_policy._fp8.scaling import FORMATS as FORMATS
+from jmp_policy._fp8.scaling import SCALINGS as SCALINGS
+from jmp_policy._fp8.scaling import (
     _check_format,
     _current,
     _dequantized_dot,
@@ -59,10 +59,10 @@ from jmp_policy._fp8_scaling import (
     _free_dims,
     _transpose,
 )
-from jmp_policy._fp8_scaling import compute_scale as compute_scale
-from jmp_policy._fp8_scaling import float8_format as float8_format
-from jmp_policy._fp8_scaling import fp8_max as fp8_max
-from jmp_policy._fp8_scaling import quantize as quantize
+from jmp_policy._fp8.scaling import compute_scale as compute_scale
+from jmp_policy._fp8.scaling import float8_format as float8_format
+from jmp_policy._fp8.scaling import fp8_max as fp8_max
+from jmp_policy._fp8.scaling import quantize as quantize
 from jmp_policy.block_scaled import MODES, block_scaled_dot_general, eligible
 
 FP8_EXCLUDE = ("head", "lm_head", "logits", "[Ee]mbed.*")

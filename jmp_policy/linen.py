@@ -26,7 +26,11 @@ import numpy as np
 from flax.core import unfreeze
 
 from jmp_policy import matmul
-from jmp_policy._flax_layers import (
+from jmp_policy._core.overrides import FLOAT32, Overrides, island_scope
+from jmp_policy._core.pytree import signature, split_traced
+from jmp_policy._core.tracing import traced_once
+from jmp_policy._flax.fp8_layers import LinenDelayedDot, layer_recipe
+from jmp_policy._flax.layers import (
     LINEN_NORMS,
     carry_keeps_its_dtype,
     fp8_dot_for,
@@ -36,13 +40,9 @@ from jmp_policy._flax_layers import (
     recomputes,
     take_over_matmul,
 )
-from jmp_policy._fp8_layers import LinenDelayedDot, layer_recipe
-from jmp_policy._linen_paths import Paths, params_and_rest
-from jmp_policy._pytree import signature, split_traced
-from jmp_policy._tracing import traced_once
+from jmp_policy._flax.linen_paths import Paths, params_and_rest
+from jmp_policy._reports.census import warn_float32_matmuls
 from jmp_policy.autocast import cast_at_use as cast_at_use_program
-from jmp_policy.census import warn_float32_matmuls
-from jmp_policy.overrides import FLOAT32, Overrides, island_scope
 from jmp_policy.policy import (
     Policy,
     casting_policy,

@@ -25,11 +25,11 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
-from jmp_policy._compat import variable_value
+from jmp_policy._core.compat import variable_value
+from jmp_policy._loss_scaling.optimizer import find_states
 from jmp_policy._stall_check import _field_names, warn_if_fields_stall
 from jmp_policy._stall_check import field_decays as field_decays  # importable here too
 from jmp_policy.policy import is_floating_array
-from jmp_policy.transform import find_states
 
 MODES = ("stochastic", "kahan", "split")
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)

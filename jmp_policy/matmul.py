@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_policy import _jaxpr
-from jmp_policy._compat import einsum_with_dot_general, linen_promote_dtype
-from jmp_policy.activations import WEIGHT, kind_of_dtype, meet, weight_at_use
+from jmp_policy._autocast.activations import WEIGHT, kind_of_dtype, meet, weight_at_use
+from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core.compat import einsum_with_dot_general, linen_promote_dtype
 from jmp_policy.policy import normalise_dtype
 
 

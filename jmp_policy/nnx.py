@@ -21,8 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_policy import matmul
-from jmp_policy._compat import nnx_promote_dtype, set_variable_value, variable_value
-from jmp_policy._flax_layers import (
+from jmp_policy._core.compat import nnx_promote_dtype, set_variable_value, variable_value
+from jmp_policy._core.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
+from jmp_policy._core.pytree import signature
+from jmp_policy._core.tracing import traced_once
+from jmp_policy._flax.fp8_layers import NnxDelayedDot, layer_recipe
+from jmp_policy._flax.layers import (
     NNX_NORMS,
     attention_with_float32_softmax,
     block_keeps_its_dtype,
@@ -31,13 +35,9 @@ from jmp_policy._flax_layers import (
     recomputes,
     take_over_matmul,
 )
-from jmp_policy._fp8_layers import NnxDelayedDot, layer_recipe
-from jmp_policy._nnx_skip import revert_if_skipped as revert_if_skipped  # public here
-from jmp_policy._pytree import signature
-from jmp_policy._tracing import traced_once
+from jmp_policy._flax.nnx_skip import revert_if_skipped as revert_if_skipped  # public here
+from jmp_policy._reports.census import warn_float32_matmuls
 from jmp_policy.autocast import cast_at_use
-from jmp_policy.census import warn_float32_matmuls
-from jmp_policy.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy.policy import (
     Policy,
     cast_floating,
@@ -232,7 +232,7 @@ def mixed_precision(
     Returns:
       `model`, changed in place: its class becomes a subclass that casts at
       the boundary and, on the first call with each input signature, warns
-      (`jmp_policy.census.PrecisionWarning`) about matmuls/convs still in
+      (`jmp_policy._reports.census.PrecisionWarning`) about matmuls/convs still in
       float32 outside overrides; each submodule's class becomes a subclass
       that runs it in a name scope of its attribute path (e.g.
       `layers/0/attn`), so reports name NNX layers. An integer `dtype` (an

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_policy._validation import HALF_MASTER_WEIGHTS, warn_once_per_mistake
+from jmp_policy._core.validation import HALF_MASTER_WEIGHTS, warn_once_per_mistake
 
 T = TypeVar("T")
 

@@ -8,12 +8,14 @@ loss scales); here is what a user reads or configures beside it:
 - `LossScalingState` (the optimizer state), `find_loss_scaling_state` (it, wherever it sits),
   `LeafFlags` (which gradients held inf/NaN), `SKIP_CAUSES`;
 - `SkipSpikes`, `SpikeStats`: skipping steps whose loss or gradient norm spikes;
-- `LossScalingReport` (what `loss_scaling_report` returns), `check_loss_scaling` (raises
+- `LossScalingReport` (what `loss_scaling_report` returns; its `GradientStats` with
+  `loss_scaling(..., stats_every=N)`), `check_loss_scaling` (raises
   `jmp_policy.errors.NonFiniteLossError` when training keeps skipping).
 """
 
-from jmp_policy.diagnostics import LossScalingReport, check_loss_scaling
-from jmp_policy.transform import (
+from jmp_policy._loss_scaling.diagnostics import LossScalingReport, check_loss_scaling
+from jmp_policy._loss_scaling.gradient_stats import GradientStats
+from jmp_policy._loss_scaling.optimizer import (
     SKIP_CAUSES,
     LeafFlags,
     LossScalingState,
@@ -24,6 +26,7 @@ from jmp_policy.transform import (
 
 __all__ = [
     "SKIP_CAUSES",
+    "GradientStats",
     "LeafFlags",
     "LossScalingReport",
     "LossScalingState",

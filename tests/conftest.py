@@ -72,7 +72,7 @@ def pytest_configure(config):
 def mistakes_said_afresh():
     """A mistake is said once per process (`_validation.warn_once_per_mistake`): each test
     starts as a fresh process would."""
-    from jmp_policy import _validation
+    from jmp_policy._core import validation as _validation
 
     _validation._SAID.clear()
     yield

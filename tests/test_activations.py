@@ -1,4 +1,5 @@
-"""Activations stay in the compute dtype between float32 islands (`jmp_policy.activations`)."""
+"""Activations stay in the compute dtype between float32 islands
+(`jmp_policy._autocast.activations`)."""
 
 import pathlib
 import sys
@@ -15,8 +16,8 @@ from jax.extend.core.primitives import remat_p
 from models import CNN, GPT, MLP, NNXGPT, NNXBlock, residual_bytes, round_trips
 
 import jmp_policy as jmp
-from jmp_policy import _jaxpr
-from jmp_policy.activations import ACTIVATION, ISLAND, STATISTIC, WEIGHT, meet
+from jmp_policy._autocast.activations import ACTIVATION, ISLAND, STATISTIC, WEIGHT, meet
+from jmp_policy._core import jaxpr as _jaxpr
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOKENS = jax.random.randint(jax.random.key(0), (2, 32), 0, 64)

@@ -9,7 +9,7 @@ from jax import lax
 from models import MODEL, PARAMS, RNN_PARAMS, XS, X, Y, loss_fn, rnn, widened_on_cpu
 
 import jmp_policy as jmp
-from jmp_policy.census import MATMULS, iter_equations, report_of_jaxpr
+from jmp_policy._reports.census import MATMULS, iter_equations, report_of_jaxpr
 
 F32 = jnp.dtype("float32")
 HALF = [jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)]

@@ -22,9 +22,9 @@ import pytest
 from jax import lax
 
 import jmp_policy as jmp
-from jmp_policy import _jaxpr
-from jmp_policy._autocast_evaluation import _Evaluation, _Rules
-from jmp_policy._autocast_ops import _keeping_half, _quotient_keeping_half
+from jmp_policy._autocast.evaluation import _Evaluation, _Rules
+from jmp_policy._autocast.ops import _keeping_half, _quotient_keeping_half
+from jmp_policy._core import jaxpr as _jaxpr
 
 B, K, N = 6, 5, 4  # batch, features in, features out
 

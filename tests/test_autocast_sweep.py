@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jmp_policy as jmp
-from jmp_policy._compat import jaxprs_in_params
+from jmp_policy._core.compat import jaxprs_in_params
 
 N = 4
 MODULES = {"jnp.linalg": jnp.linalg, "jax.scipy.linalg": jax.scipy.linalg, "jnp.fft": jnp.fft}

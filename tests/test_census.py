@@ -1,4 +1,4 @@
-"""Tests for jmp_policy.census: `precision_report`, one report with one counting rule."""
+"""Tests for jmp_policy._reports.census: `precision_report`, one report with one counting rule."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ from jax import lax
 from models import PARAMS, RNN_PARAMS, XS, X, Y, loss_fn, rnn
 
 import jmp_policy as jmp
-from jmp_policy.census import report_of_jaxpr
+from jmp_policy._reports.census import report_of_jaxpr
 
 
 def test_flops_casts_and_misaligned_matmuls():

@@ -1,10 +1,10 @@
-"""What `jmp_policy._compat` reads of JAX's private API: each test fails on a release that
+"""What `jmp_policy._core.compat` reads of JAX's private API: each test fails on a release that
 moves it (CI runs this file on the oldest supported stack too)."""
 
 import jax
 import jax.numpy as jnp
 
-from jmp_policy._compat import (
+from jmp_policy._core.compat import (
     einsum_with_dot_general,
     eval_jaxpr,
     linen_promote_dtype,

@@ -1,4 +1,5 @@
-"""Tests for jmp_policy.debugger: planted faults must be named, statistics must match NumPy."""
+"""Tests for the precision debugger (`jmp_policy._reports.debugger`): planted faults must be
+named, statistics must match NumPy."""
 
 import argparse
 import functools
@@ -160,7 +161,7 @@ def test_plot_and_bad_arguments(tmp_path):
 
 
 def _count(jaxpr, primitive):
-    from jmp_policy.census import iter_equations
+    from jmp_policy._reports.census import iter_equations
 
     return sum(e.primitive.name == primitive for e in iter_equations(jaxpr))
 
@@ -621,7 +622,7 @@ def test_other_threads_call_modules_as_they_are_while_the_debugger_names_them():
 
     from flax import nnx
 
-    from jmp_policy import _naming
+    from jmp_policy._core import naming as _naming
 
     layer, errors = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), []
 

@@ -1,4 +1,4 @@
-"""Tests for jmp_policy.diagnostics: host-side reports on a `loss_scaling` state."""
+"""Tests for jmp_policy._loss_scaling.diagnostics: host-side reports on a `loss_scaling` state."""
 
 import jax
 import jax.numpy as jnp

@@ -8,7 +8,7 @@ import pytest
 from user_models import image_batches, make_eqx_cnn, make_eqx_transformer, token_batches
 
 import jmp_policy as jmp
-from jmp_policy.census import compute_dtype, iter_equations
+from jmp_policy._reports.census import compute_dtype, iter_equations
 
 eqx = pytest.importorskip("equinox")
 

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jmp_policy as jmp
-from jmp_policy.census import report_of_jaxpr
+from jmp_policy._reports.census import report_of_jaxpr
 
 eqx = pytest.importorskip("equinox")
 import equinox_examples as ex  # noqa: E402

@@ -15,8 +15,8 @@ from flax.training import train_state
 from models import CNN, Classifier, NNXClassifier, widened_on_cpu
 
 import jmp_policy as jmp
-from jmp_policy._compat import jaxprs_in_params
-from jmp_policy.census import MATMULS, compute_dtype, iter_equations, report_of_jaxpr
+from jmp_policy._core.compat import jaxprs_in_params
+from jmp_policy._reports.census import MATMULS, compute_dtype, iter_equations, report_of_jaxpr
 
 # Third-party code that mixes dtypes internally runs under JAX's standard
 # promotion (conftest.py): optax's Adam bias correction (int32 and float), and

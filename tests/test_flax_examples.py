@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from parity import assert_matches_float32, perturbed  # noqa: E402
 
 import jmp_policy as jmp
-from jmp_policy.census import report_of_jaxpr
+from jmp_policy._reports.census import report_of_jaxpr
 
 pytestmark = pytest.mark.standard_promotion  # user code: optax's Adam mixes float and int
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jmp_policy as jmp
-from jmp_policy.census import compute_dtype, iter_equations, report_of_jaxpr
+from jmp_policy._reports.census import compute_dtype, iter_equations, report_of_jaxpr
 
 eqx = pytest.importorskip("equinox")
 

@@ -22,7 +22,7 @@ from flax import nnx
 from parity import assert_matches_float32, perturbed
 
 import jmp_policy as jmp
-from jmp_policy.census import iter_equations
+from jmp_policy._reports.census import iter_equations
 
 eqx = pytest.importorskip("equinox")
 

@@ -1,5 +1,5 @@
-"""Tests for the package itself (jmp_policy/__init__.py, _flax_serialization.py): a lean import
-whatever the import order, and its public names."""
+"""Tests for the package itself (jmp_policy/__init__.py, _flax/serialization.py): a lean import
+whatever the import order, its public names, its families and the paths of earlier releases."""
 
 import subprocess
 import sys
@@ -61,25 +61,40 @@ def test_public_names():
 
 def test_no_import_circle_between_the_library_modules():
     # Each module depends only on the layers above it (shared/DESIGN.md): no module may reach
-    # itself through imports, at module level or inside a function. The package's __init__
-    # (which re-exports everything) is left out.
+    # itself through imports, at module level or inside a function, across the family
+    # packages too (`_core`, `_loss_scaling`, `_autocast`, ...). The package's __init__ (which
+    # re-exports the top level) is left out; a package's own __init__ is a node of its own.
     import ast
     import pathlib
 
     package = pathlib.Path(jmp.__file__).parent
+    modules = {
+        ".".join(path.relative_to(package).with_suffix("").parts).removesuffix(".__init__")
+        for path in package.rglob("*.py")
+    }
+
+    def target(module: str, name: str | None = None) -> str | None:
+        if not module.startswith("jmp_policy."):
+            return None
+        inner = module.removeprefix("jmp_policy.")
+        return f"{inner}.{name}" if name and f"{inner}.{name}" in modules else inner
+
     graph = {}
-    for path in package.glob("*.py"):
-        if path.stem == "__init__":
+    for path in package.rglob("*.py"):
+        name = ".".join(path.relative_to(package).with_suffix("").parts).removesuffix(".__init__")
+        if name == "__init__":
             continue
         imported = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jmp_policy."):
-                imported.add(node.module.split(".")[1])
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "jmp_policy":  # `from jmp_policy import casting`
+                    imported |= {a.name for a in node.names if a.name in modules}
+                else:
+                    imported |= {target(node.module, a.name) for a in node.names} - {None}
             elif isinstance(node, ast.Import):
-                imported |= {
-                    a.name.split(".")[1] for a in node.names if a.name.startswith("jmp_policy.")
-                }
-        graph[path.stem] = imported - {path.stem}
+                imported |= {target(a.name) for a in node.names} - {None}
+        graph[name] = imported - {name}
+    assert "_loss_scaling.optimizer" in graph and "_core.jaxpr" in graph  # the families are read
 
     def reaches(start, target, seen):
         for nxt in graph.get(start, ()):
@@ -89,7 +104,7 @@ def test_no_import_circle_between_the_library_modules():
 
     circles = sorted(m for m in graph if reaches(m, m, {m}))
     assert not circles, {m: sorted(graph[m]) for m in circles}
-    assert "low_precision" not in graph["transform"]  # the circle issue 36 named
+    assert "low_precision" not in graph["_loss_scaling.optimizer"]  # the circle issue 36 named
 
 
 def test_names_that_left_the_top_level_still_work_with_a_warning_naming_their_module():
@@ -124,3 +139,44 @@ def test_the_api_reference_documents_the_top_level_and_only_it():
         import importlib
 
         assert hasattr(importlib.import_module(module), name), path
+
+
+OLD_PATHS = {  # module paths of earlier releases: a name each used to export
+    "transform": "find_loss_scaling_state",
+    "census": "iter_equations",
+    "loss_scale": "DynamicLossScale",
+    "finite": "all_finite",
+    "scaled_grad": "value_and_scaled_grad",
+    "diagnostics": "check_loss_scaling",
+    "activations": "meet",
+    "overrides": "FULL_PRECISION_REGION",
+    "debugger": "LayerStats",
+}
+
+
+def test_module_paths_of_earlier_releases_import_with_a_deprecation_warning():
+    """`ls jmp_policy` shows the families (`_core`, `_loss_scaling`, `_autocast`, `_flax`,
+    `_fp8`, `_reports`) beside the public modules; the old module paths still import, with
+    the same objects, and warn once when first imported."""
+    import pathlib
+
+    package = pathlib.Path(jmp.__file__).parent
+    families = {p.name for p in package.iterdir() if p.is_dir() and p.name.startswith("_")}
+    assert {"_core", "_loss_scaling", "_autocast", "_flax", "_fp8", "_reports"} <= families
+    out = run(
+        "import warnings, importlib\n"
+        "import jmp_policy as jmp\n"
+        f"paths = {OLD_PATHS!r}\n"
+        "for old, name in paths.items():\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        module = importlib.import_module('jmp_policy.' + old)\n"
+        "    said = [str(w.message) for w in caught if w.category is DeprecationWarning]\n"
+        "    assert len(said) == 1 and ('jmp_policy.' + old) in said[0], (old, said)\n"
+        "    assert getattr(module, name) is not None\n"
+        "assert callable(jmp.autocast) and jmp.autocast is importlib.import_module("
+        "'jmp_policy.autocast').autocast\n"
+        "assert jmp.all_finite is importlib.import_module('jmp_policy.finite').all_finite\n"
+        "print('ok')\n"
+    )
+    assert out == "ok", out

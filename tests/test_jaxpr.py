@@ -1,4 +1,4 @@
-"""The one reader of JAX programs (`jmp_policy._jaxpr`) and what every part learns from it.
+"""The one reader of JAX programs (`jmp_policy._core.jaxpr`) and what every part learns from it.
 
 A matmul inside each structure JAX programs are made of must be rewritten by autocast,
 counted by `precision_report` and named by the precision debugger, and each primitive table
@@ -16,9 +16,10 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as jax_primitives
 
 import jmp_policy as jmp
-from jmp_policy import _jaxpr, _naming
-from jmp_policy._compat import bind_params
-from jmp_policy.census import iter_equations
+from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core import naming as _naming
+from jmp_policy._core.compat import bind_params
+from jmp_policy._reports.census import iter_equations
 
 W = jax.random.normal(jax.random.key(0), (8, 8)) * 0.5
 X = jax.random.normal(jax.random.key(1), (4, 8))
@@ -277,9 +278,10 @@ def test_elementwise_means_the_operands_broadcast_to_the_output():
 
 
 def test_only_the_jaxpr_core_decides_by_a_primitive_name():
-    """No library module but `_jaxpr.py` writes a primitive's name to decide what it means.
-    The strings kept are not primitives: Flax's layer hooks (`dot_general`), parameter keys
-    (`name`), fp8's `amax_from="max"`, the low-precision `"split"` mode, report row keys."""
+    """No library module but the jaxpr core (`_core/jaxpr.py`) writes a primitive's name to
+    decide what it means. The strings kept are not primitives: Flax's layer hooks
+    (`dot_general`), parameter keys (`name`), fp8's `amax_from="max"`, the low-precision
+    `"split"` mode, report row keys."""
     import ast
     import pathlib
 
@@ -288,16 +290,16 @@ def test_only_the_jaxpr_core_decides_by_a_primitive_name():
     }
     not_primitives = {
         "matmul.py": {"dot_general", "conv_general_dilated"},  # Flax layer hooks
-        "_flax_layers.py": {"dot_general", "conv_general_dilated"},
+        "layers.py": {"dot_general", "conv_general_dilated"},  # _flax/layers.py
         "linen.py": {"dot_general"},
         "nnx.py": {"dot_general"},
-        "_fp8_delayed.py": {"max"},
+        "delayed.py": {"max"},  # _fp8/delayed.py
         "low_precision.py": {"split"},
     }
     root = pathlib.Path(jmp.__file__).parent
     found = []
     for path in sorted(root.rglob("*.py")):
-        if path.name == "_jaxpr.py":
+        if path.relative_to(root).as_posix() == "_core/jaxpr.py":
             continue
         tree = ast.parse(path.read_text())
         docstrings = {

@@ -1,4 +1,4 @@
-"""Tests for jmp_policy.loss_scale: state round trips, the dynamic rule, bad input."""
+"""Tests for jmp_policy._loss_scaling.loss_scale: state round trips, the dynamic rule, bad input."""
 
 import math
 import warnings
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jmp_policy as jmp
-from jmp_policy.finite import leaf_finite_flags
+from jmp_policy._loss_scaling.finite import leaf_finite_flags
 
 
 def grad_scaler_reference(flags, init=2.0**16, growth=2.0, backoff=0.5, interval=2000):

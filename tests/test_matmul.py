@@ -17,7 +17,7 @@ from forced_devices import env_with_devices
 from jax import lax
 
 import jmp_policy as jmp
-from jmp_policy._compat import jaxprs_in_params
+from jmp_policy._core.compat import jaxprs_in_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WIDTH, CLASSES, DEPTH = 256, 8, 5  # benchmarks/bench_collectives.py's MLP

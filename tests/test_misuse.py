@@ -81,7 +81,8 @@ def _flax_layout(tx, value_and_grad):
 def fresh_process(monkeypatch):
     """What this process has read and said, as in a new one: a loss scale read by another
     test for a state of the same structure would silence the check (docs/mistakes.md)."""
-    from jmp_policy import _misuse, _validation
+    from jmp_policy._core import validation as _validation
+    from jmp_policy._loss_scaling import misuse as _misuse
 
     monkeypatch.setattr(_misuse, "_SCALES_READ", set())
     monkeypatch.setattr(_validation, "_SAID", set())
@@ -448,7 +449,8 @@ def test_nnx_gradients_from_another_nnx_jit_warn_unless_scaled():
             apply(optimizer, model, grads_of(optimizer, model, X[None])[1])
         jax.effects_barrier()
 
-    from jmp_policy import _misuse, _validation
+    from jmp_policy._core import validation as _validation
+    from jmp_policy._loss_scaling import misuse as _misuse
 
     _no_warning(lambda: run(scaled=True))
     # A new process: in this one the helper has read a scale of a state of this structure,

@@ -18,8 +18,8 @@ from flax import nnx
 from models import ScanMLP
 
 import jmp_policy as jmp
-from jmp_policy import _naming
-from jmp_policy.census import compute_dtype, iter_equations, module_path_of, trace
+from jmp_policy._core import naming as _naming
+from jmp_policy._reports.census import compute_dtype, iter_equations, module_path_of, trace
 
 X = jax.random.normal(jax.random.key(0), (4, 8))
 F32 = jmp.get_policy("float32")

@@ -1,4 +1,4 @@
-"""Tests for jmp_policy.overrides: per-class and per-path policies, through Linen and NNX."""
+"""Tests for jmp_policy._core.overrides: per-class and per-path policies, through Linen and NNX."""
 
 import re
 import warnings
@@ -11,8 +11,8 @@ from flax import nnx
 from models import Classifier, NNXClassifier
 
 import jmp_policy as jmp
-from jmp_policy.census import iter_equations
-from jmp_policy.overrides import Overrides
+from jmp_policy._core.overrides import Overrides
+from jmp_policy._reports.census import iter_equations
 
 F32 = jnp.dtype("float32")
 F16 = jmp.get_policy("mixed_float16")

@@ -1,4 +1,4 @@
-"""Tests for jmp_policy.scaled_grad: the one-call path for a loss-scaled step."""
+"""Tests for jmp_policy._loss_scaling.scaled_grad: the one-call path for a loss-scaled step."""
 
 import chex
 import jax

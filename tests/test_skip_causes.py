@@ -16,7 +16,7 @@ import pytest
 from models import CNN
 
 import jmp_policy as jmp
-from jmp_policy._spikes import spread
+from jmp_policy._loss_scaling.spikes import spread
 
 X = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
 TARGETS = jax.nn.one_hot(jnp.arange(8) % 4, 4)

@@ -1,4 +1,4 @@
-"""Tests for jmp_policy.transform: loss_scaling as an optax transform."""
+"""Tests for jmp_policy._loss_scaling.optimizer: loss_scaling as an optax transform."""
 
 import itertools
 import warnings

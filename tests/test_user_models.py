@@ -28,7 +28,7 @@ from user_models import (
 )
 
 import jmp_policy as jmp
-from jmp_policy.census import compute_dtype, iter_equations
+from jmp_policy._reports.census import compute_dtype, iter_equations
 
 pytestmark = pytest.mark.standard_promotion  # user code: optax's Adam mixes float and int
 

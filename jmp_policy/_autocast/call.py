@@ -1,0 +1,229 @@
+"""The function `autocast`, `cast_at_use` and `full_precision` return: one program traced
+per input signature (`_program`), evaluated by the rules in a region (`_build`: a
+`jax.checkpoint` that keeps only what `_autocast_evaluation.RESIDUAL` names, under `jit`),
+NNX modules' states written back, and float8 delayed scaling's states taken in
+(`fp8_state=`, `init_fp8_state`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_policy._autocast.evaluation import _FLOAT32, REGION_POLICY, _cast, _Evaluation
+from jmp_policy._autocast.programs import _eval_closed
+from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core import naming as _naming
+from jmp_policy._core.pytree import is_traced_leaf, nnx_graphdefs, write_back, written_back
+from jmp_policy._fp8.state import Sites
+from jmp_policy.fp8 import DelayedScaling
+
+
+class _Autocast:
+    """The function `autocast` returns; caches one program per input signature."""
+
+    def __init__(self, fun, rules, static_argnums, static_argnames, cast_inputs, region_name):
+        functools.update_wrapper(self, fun)
+        self._fun = fun
+        self._rules = rules
+        self._static_argnums = static_argnums
+        self._static_argnames = static_argnames
+        self._cast_inputs = cast_inputs
+        self._region_name = region_name
+        self._cache: dict = {}
+
+    @property
+    def _recipe(self) -> DelayedScaling | None:
+        fp8 = self._rules.fp8
+        return fp8[0] if fp8 is not None and isinstance(fp8[0], DelayedScaling) else None
+
+    def init_fp8_state(self, *args, **kwargs) -> tuple:
+        """The delayed-scaling state of this call's float8 matmuls (an autocast function with
+        a `DelayedScaling` recipe): a tuple, one `Fp8DotState` per matmul in the order the
+        program runs them (a `scan`'s: one tuple, stacked over its steps). Pass it as
+        `fp8_state=` and differentiate with respect to it; a `loss_scaling` optimizer writes
+        its gradient, the next state (docs/fp8.md)."""
+        recipe = self._recipe
+        if recipe is None:
+            raise ValueError(
+                "init_fp8_state is for an autocast function under a float8 policy with a "
+                "DelayedScaling recipe (`fp8_scaling=jmp_policy.fp8.DelayedScaling(...)`); "
+                "this one scales currently and has no state."
+            )
+        graphdefs = nnx_graphdefs(args)
+        if graphdefs:
+            args = _states_of(args, graphdefs)
+        arrays, (_, _, closed) = self._program(args, kwargs, graphdefs or None)
+        sites = Sites(recipe)
+
+        def run(*flat):
+            ev = _Evaluation(self._rules, sites=sites)
+            try:
+                _eval_closed(closed, list(flat), ev)
+            finally:
+                ev.close()
+
+        jax.eval_shape(run, *arrays)
+        return sites.build()
+
+    def _program(self, args, kwargs, graphdefs=None, fp8_state=None):
+        """`(traced leaves, (region, out_tree, closed jaxpr))` of a call; with `graphdefs`
+        (`_pytree.nnx_graphdefs`), of `fun` on those NNX modules' states, also returning
+        their states as the call left them."""
+        static_args = tuple((i, args[i]) for i in self._static_argnums if i < len(args))
+        static_kwargs = tuple(sorted((k, kwargs[k]) for k in self._static_argnames if k in kwargs))
+        dyn_args = [a for i, a in enumerate(args) if i not in self._static_argnums]
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
+        flat, in_tree = jax.tree.flatten((dyn_args, dyn_kwargs))
+        # Leaves that are not arrays (an Equinox module's activation function,
+        # a bool flag, a name) are passed to `fun` as they are, like
+        # `eqx.filter_jit` does: they are part of the program, not its inputs.
+        traced = tuple(is_traced_leaf(x) for x in flat)
+        specs = tuple(
+            jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x), weak_type=_weak(x))
+            if is_traced
+            else _StaticLeaf(x)
+            for x, is_traced in zip(flat, traced, strict=True)
+        )
+        arrays = [x for x, is_traced in zip(flat, traced, strict=True) if is_traced]
+        # Inside `shard_map`, which mesh axes each input varies over is part of its type: the
+        # program is traced on the inputs' types (with it), so the `pvary`s JAX inserts for
+        # constants meeting varying values are in it.
+        varying = tuple(getattr(jax.typeof(x), "vma", None) for x in arrays)
+        # Traced again while the debugger names NNX/Equinox modules (`_naming`): a program
+        # built before has no module paths in its name stacks.
+        nnx_key = None if graphdefs is None else tuple(graphdefs.items())
+        # Float8 delayed scaling: the matmuls' states go in after the arrays.
+        state_leaves, state_tree = jax.tree.flatten(fp8_state)
+        state_key = tuple((np.shape(x), jnp.result_type(x)) for x in state_leaves)
+        key = (in_tree, specs, varying, static_args, static_kwargs, _naming.active(), nnx_key)
+        key = (*key, fp8_state is None, state_tree, state_key)
+        if key not in self._cache:
+            fun = self._fun if graphdefs is None else written_back(self._fun, graphdefs)
+            self._cache[key] = self._build(
+                fun, in_tree, specs, arrays, dict(static_args), dict(static_kwargs), len(args),
+                None if fp8_state is None else state_tree,
+            )  # fmt: skip
+        return [*arrays, *state_leaves], self._cache[key]
+
+    def _build(
+        self, fun, in_tree, specs, arrays, static_args, static_kwargs, n_args, state_tree=None
+    ):
+        def flat_fun(*arrays):
+            given = iter(arrays)
+            flat = [next(given) if isinstance(s, jax.ShapeDtypeStruct) else s.value for s in specs]
+            dyn_args, dyn_kwargs = jax.tree.unflatten(in_tree, flat)
+            dyn = iter(dyn_args)
+            full = [static_args[i] if i in static_args else next(dyn) for i in range(n_args)]
+            return fun(*full, **dyn_kwargs, **static_kwargs)
+
+        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
+        out_tree = jax.tree.structure(out_shape)
+        rules, cast_inputs = self._rules, self._cast_inputs
+        # `cast_at_use`: the traced leaves of the first argument are the weights.
+        n_weights = 0
+        if rules.at_use and in_tree.children()[0].children():
+            first = in_tree.children()[0].children()[0].num_leaves
+            n_weights = sum(isinstance(s, jax.ShapeDtypeStruct) for s in specs[:first])
+
+        # In half precision the region keeps for the backward pass only what `RESIDUAL`
+        # names (its matmuls' operands and outputs, ...): its float32 islands are computed
+        # again from them, as the Linen policy's are.
+        checkpointed = not rules.at_use and rules.compute != _FLOAT32
+
+        n_state = 0 if state_tree is None else state_tree.num_leaves
+        recipe = self._recipe
+
+        def region(*flat):
+            flat, state = flat[: len(flat) - n_state], flat[len(flat) - n_state :]
+            if cast_inputs:
+                flat = [_cast(x, rules.compute) for x in flat]
+            sites = None
+            if state_tree is not None and recipe is not None:
+                sites = Sites(recipe, jax.tree.unflatten(state_tree, state))
+            keeps = _jaxpr.kept_for_backward if checkpointed else None
+            ev = _Evaluation(rules, keeps=keeps, sites=sites)
+            for weight in flat[:n_weights] if rules.reduce else ():
+                ev.add_weight(weight)
+            try:
+                outs = _eval_closed(closed, list(flat), ev)
+            finally:
+                ev.close()
+            if sites is not None:
+                sites.check_used()
+            if rules.at_use:
+                return outs  # the output dtypes as traced
+            return [_cast(o, rules.output) for o in outs]
+
+        region.__name__ = region.__qualname__ = self._region_name
+        if checkpointed:
+            # prevent_cse stays True: without it XLA merges the recomputation with the
+            # forward pass and keeps what was to be recomputed (compiled temp bytes of the
+            # Equinox example 40.8 -> 48.0 MiB, the GPT loop 41.5 -> 48.7 MiB on XLA:CPU).
+            region = jax.checkpoint(region, policy=REGION_POLICY)
+        return jax.jit(region), out_tree, closed
+
+    def __call__(self, *args, **kwargs):
+        state = None
+        if self._recipe is not None:
+            state = kwargs.pop("fp8_state", None)
+            if not isinstance(state, tuple):
+                raise ValueError(
+                    "Expected the delayed-scaling state of this autocast function's float8 "
+                    f"matmuls for `fp8_state`, got {type(state).__name__}: make it with "
+                    "`state = f.init_fp8_state(*args)`, call `f(*args, fp8_state=state)` and "
+                    "differentiate with respect to it (docs/fp8.md)."
+                )
+        graphdefs = nnx_graphdefs(args)
+        if not graphdefs:
+            flat, (region, out_tree, _) = self._program(args, kwargs, fp8_state=state)
+            return jax.tree.unflatten(out_tree, region(*flat))
+        # NNX modules go in as their states and come back written (BatchNorm's statistics,
+        # Dropout's RNG counts), as under `nnx.jit`.
+        pure = _states_of(args, graphdefs)
+        flat, (region, out_tree, _) = self._program(pure, kwargs, graphdefs, state)
+        out, states = jax.tree.unflatten(out_tree, region(*flat))
+        write_back(args, graphdefs, states)
+        return out
+
+    def traced_program(self, *args, **kwargs):
+        """The program as traced, before casts (for reports and debugging)."""
+        return self._program(args, kwargs)[1][2]
+
+
+class _StaticLeaf:
+    """A leaf passed through untouched: compared by value where it can be, else by identity."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def _key(self) -> Any:
+        try:
+            hash(self.value)
+        except TypeError:
+            return (type(self.value), id(self.value))
+        return (type(self.value), self.value)
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _StaticLeaf) and self._key() == other._key()
+
+
+def _weak(x: Any) -> bool:
+    return bool(
+        getattr(x, "weak_type", isinstance(x, (int, float, complex)) and not isinstance(x, bool))
+    )
+
+
+def _states_of(args: tuple, graphdefs: dict) -> tuple:
+    """`args` with each NNX module (at the positions `graphdefs` holds) replaced by its state."""
+    from flax import nnx
+
+    return tuple(nnx.state(a) if i in graphdefs else a for i, a in enumerate(args))

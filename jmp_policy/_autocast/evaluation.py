@@ -1,0 +1,258 @@
+"""What autocast evaluates a program under: the rules of a policy (`_Rules`), and one
+evaluation's records of its values (`_Evaluation`: their kinds, the half-precision operands
+kept for the backward pass under `RESIDUAL`, weights, and float8 delayed scaling's `Sites`),
+with the casts every rule uses."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jmp_policy._autocast.activations import ISLAND, STATISTIC, WEIGHT, kind_of_dtype
+from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._fp8.state import Sites
+from jmp_policy.fp8 import float8_format
+from jmp_policy.policy import Policy, casting_policy
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+    compute: np.dtype
+    output: np.dtype
+    allow: frozenset
+    deny: frozenset
+    # With a float8 compute dtype: eligible matmuls run as `fp8_dot_general`
+    # with these (scaling, fmt), and `compute` is bfloat16 for everything else; a
+    # `DelayedScaling` scaling: as `_fp8_state.delayed_dot_general`, with `_Evaluation.sites`.
+    fp8: tuple[Any, str] | None = None
+    fp8_exclude: tuple[str, ...] = ()
+    # `jmp_policy.matmul`: float32 operands' gradients made in float32 (`reduce`), and
+    # the matmul's result in `accumulate` (None: the compute dtype).
+    reduce: bool = False
+    accumulate: np.dtype | None = None
+    # `cast_at_use`: the program runs as traced, except where a weight's 16-bit cast is used
+    # (`_eval_cast_at_use`).
+    at_use: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        policy: Policy,
+        allow: frozenset,
+        deny: frozenset,
+        fp8: tuple[Any, str],
+        fp8_exclude: tuple[str, ...],
+        reduce: bool = False,
+        accumulate: np.dtype | None = None,
+    ) -> _Rules:
+        if policy.compute_dtype.itemsize == 1:  # float8: matmuls only
+            compute = casting_policy(policy).compute_dtype
+            fp8 = (fp8[0], float8_format(policy.compute_dtype, fp8[1]))  # or block-scaled
+            return cls(compute, policy.output_dtype, allow, deny, fp8, fp8_exclude)
+        half = policy.compute_dtype != _FLOAT32
+        return cls(
+            policy.compute_dtype,
+            policy.output_dtype,
+            allow,
+            deny,
+            reduce=reduce and half,
+            accumulate=accumulate if half else None,
+        )
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    if _is_float(x) and x.dtype != dtype:
+        return lax.convert_element_type(x, dtype)
+    return x
+
+
+def _cast_like_avals(values: list, avals: Iterable) -> list:
+    """Casts floating values back to the dtypes a sub-program was traced with."""
+    return [
+        _cast(v, a.dtype) if hasattr(a, "dtype") else v for v, a in zip(values, avals, strict=True)
+    ]
+
+
+def _widest(dtypes: list) -> Any:
+    return max(dtypes, key=lambda d: jnp.finfo(d).bits)
+
+
+RESIDUAL = "jmp_autocast_residual"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of what an autocast region keeps for the
+backward pass: the outputs of the equations `_jaxpr.kept_for_backward` names (matmuls, ...)
+and the half-precision operands of its matmuls. The region is `jax.checkpoint`ed to save
+only these (`REGION_POLICY`): everything else, its float32 islands first, is computed again
+from them in the backward pass, so no island keeps a float32 activation."""
+REGION_POLICY = jax.checkpoint_policies.save_only_these_names(RESIDUAL)
+
+
+class _Records:
+    """What one evaluation has learned of its values (see `_Evaluation`)."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[int, tuple[Any, str]] = {}
+        self.operands: dict[int, tuple[Any, Any]] = {}
+        self.weights: dict[int, Any] = {}
+        self.downcasts: dict[int, tuple[Any, Any]] = {}
+        self.open = True
+
+    def close(self) -> None:
+        self.open = False
+        for record in (self.kinds, self.operands, self.weights, self.downcasts):
+            record.clear()
+
+
+def _saved_by(policy: Any) -> Callable[[Any], bool]:
+    """Which equations' outputs a `jax.checkpoint` of the user's, with `policy`, saves."""
+
+    def saves(eqn: Any) -> bool:
+        if policy is None:
+            return False
+        avals = [v.aval for v in eqn.invars]
+        return policy(eqn.primitive, *avals, **eqn.params) is True
+
+    return saves
+
+
+class _Evaluation:
+    """One evaluation of a program under `rules` (an autocast region, with its sub-programs):
+    what it has learned of the values it computed, passed to every rule.
+
+    - `kinds`: the kind (`jmp_policy._autocast.activations`) of the float32 values computed so far
+      (values not recorded are weights, or activations by dtype);
+    - `operands`: the half-precision operand a matmul took for a value, kept for the
+      backward pass (`RESIDUAL`): every matmul that takes the value takes that one;
+    - `weights` and `downcasts` (`cast_at_use`): the weights, and each 16-bit cast of a
+      weight with the float32 weight it came from.
+
+    JAX values are not hashable, so each record is keyed by `id()` and keeps the value
+    itself: an id is never reused while it is recorded, and a lookup checks identity. Once
+    the region is traced (`close`) nothing more is recorded or found, so a derivative rule
+    JAX traces later reads values by their dtype alone.
+
+    `keeps` (None where the region is not `jax.checkpoint`ed: `cast_at_use`, float32):
+    whose outputs are named `RESIDUAL` (`_jaxpr.kept_for_backward`; inside the user's own
+    `jax.checkpoint`, what its policy saves, as `within_checkpoint` says).
+    """
+
+    def __init__(
+        self,
+        rules: _Rules,
+        records: _Records | None = None,
+        keeps: Callable[[Any], bool] | None = None,
+        sites: Sites | None = None,
+    ):
+        self.rules = rules
+        self.keeps = keeps
+        self.sites = sites
+        self._records = _Records() if records is None else records
+
+    def with_rules(self, rules: _Rules) -> _Evaluation:
+        """The same evaluation (what it learned so far, and will) under other rules."""
+        return _Evaluation(rules, self._records, self.keeps, self.sites)
+
+    def with_sites(self, sites: Sites | None) -> _Evaluation:
+        """The same evaluation taking its float8 matmuls' delayed-scaling states from `sites`
+        (a `scan` body's, one step of them)."""
+        return _Evaluation(self.rules, self._records, self.keeps, sites)
+
+    def within_checkpoint(self, policy: Any) -> _Evaluation:
+        """The evaluation of the body of the user's `jax.checkpoint` with `policy`: the
+        region's own `jax.checkpoint` decides what the whole program saves (JAX applies the
+        outermost policy), so inside the body only what the user's policy saves is named."""
+        keeps = None if self.keeps is None else _saved_by(policy)
+        return _Evaluation(self.rules, self._records, keeps, self.sites)
+
+    def naming_nothing(self) -> _Evaluation:
+        """The same evaluation naming nothing `RESIDUAL`: inside a custom derivative's
+        rewritten rules, whose tangents JAX transposes (a name has no transpose); the
+        custom function runs again in the backward pass where its outputs are needed. Its
+        float8 matmuls scale currently (a custom derivative cannot close over state)."""
+        return _Evaluation(self.rules, self._records, None)
+
+    def kept(self, eqn: Any, outs: list) -> list:
+        """`eqn`'s outputs, named `RESIDUAL` where `keeps` says so."""
+        if self.keeps is None or not self.keeps(eqn):
+            return outs
+        return [_named(o) for o in outs]
+
+    def kept_value(self, x: Any) -> Any:
+        """`x` named `RESIDUAL` where the region chooses what is kept (not inside the
+        user's own checkpoint)."""
+        return _named(x) if self.keeps is _jaxpr.kept_for_backward else x
+
+    def operand(self, x: Any, half: np.dtype) -> Any:
+        """`x` as a matmul's operand in `half`: an activation's copy is kept for the backward
+        pass (`RESIDUAL`, one per value); a weight's is cast again there from the weight."""
+        if not _is_float(x):
+            return x
+        found = self._found(self._records.operands, x)
+        if found is not None and found.dtype == half:
+            return found
+        copy = _cast(x, half)
+        own_choice = self.keeps is _jaxpr.kept_for_backward  # not inside the user's checkpoint
+        if not own_choice or self.kind(x) == WEIGHT:
+            return copy
+        copy = _named(copy)
+        if self._records.open:
+            self._records.operands[id(x)] = (x, copy)
+        return copy
+
+    def close(self) -> None:
+        self._records.close()
+
+    @staticmethod
+    def _found(record: dict, x: Any) -> Any:
+        found = record.get(id(x))
+        return found[1] if found is not None and found[0] is x else None
+
+    def kind(self, x: Any) -> str:
+        return kind_of_dtype(x.dtype, self._found(self._records.kinds, x))
+
+    def kinds_of(self, values: Iterable) -> list:
+        return [self.kind(x) for x in values if _is_float(x)]
+
+    def record(self, values: Iterable, kind: str) -> None:
+        if self._records.open and kind in (ISLAND, STATISTIC):
+            for v in values:
+                if _is_float(v) and v.dtype == _FLOAT32:
+                    self._records.kinds[id(v)] = (v, kind)
+
+    def inherit(self, outer: Iterable, inner: Iterable) -> None:
+        """A body's inputs (new tracers) have the kinds of the values they stand for."""
+        for o, i in zip(outer, inner, strict=True):
+            if _is_float(o) and _is_float(i):
+                self.record([i], self.kind(o))
+
+    def is_weight(self, x: Any) -> bool:
+        return self._records.weights.get(id(x)) is x
+
+    def add_weight(self, x: Any) -> None:
+        if self._records.open:
+            self._records.weights[id(x)] = x
+
+    def downcast(self, x: Any) -> tuple[Any, Any] | None:
+        """`(x, float32 weight)` if `x` is a weight's 16-bit cast (`cast_at_use`), else None."""
+        found = self._records.downcasts.get(id(x))
+        return found if found is not None and found[0] is x else None
+
+    def add_downcast(self, half: Any, weight: Any) -> None:
+        if self._records.open:
+            self._records.downcasts[id(half)] = (half, weight)
+
+
+def _named(x: Any) -> Any:
+    return checkpoint_name(x, RESIDUAL) if hasattr(x, "dtype") else x

@@ -1,0 +1,279 @@
+"""How one operation runs under autocast's rules (`_autocast_evaluation`: the rules of a
+policy and what an evaluation records): the op lists, the kinds of values
+(`jmp_policy._autocast.activations`), float32 islands and half-precision quotients, and a matmul's
+operands (`jmp_policy.matmul`, float8)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_policy._autocast.activations import (
+    ACTIVATION,
+    ISLAND,
+    WEIGHT,
+    combined,
+    meet,
+    weight_at_use,
+)
+from jmp_policy._autocast.evaluation import (
+    _FLOAT32,
+    _cast,
+    _Evaluation,
+    _is_float,
+)
+from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._fp8.state import delayed_dot_general
+from jmp_policy.fp8 import (
+    DelayedScaling,
+    fp8_dot_general,
+    fp8_eligible,
+    fp8_excluded_by,
+)
+from jmp_policy.matmul import mixed
+
+ALLOW = _jaxpr.names_running_in(_jaxpr.COMPUTE)
+"""Primitives that run in the compute dtype (torch.amp's "lower precision" list): the matmuls
+of `_jaxpr.MATMULS` by their names in the installed JAX (`dot_general`,
+`conv_general_dilated`, and `ragged_dot_general`, what `lax.ragged_dot` binds)."""
+
+DENY = _jaxpr.names_running_in(_jaxpr.FLOAT32)
+"""Primitives that run in float32 (torch.amp's "float32" list, as JAX lowers it): exp, log,
+powers and roots, erf, logistic, sums, products and cumulative sums (`_jaxpr.RULES`)."""
+
+NO_HALF_KERNEL = _jaxpr.names_running_in(_jaxpr.NO_HALF_KERNEL)
+"""Primitives that always run in float32: linear-algebra decompositions and FFTs have no
+half-precision kernel (XLA and LAPACK have none; `rfft` refuses float16), and torch.amp keeps
+them in float32 too."""
+
+# Regions made by autocast/full_precision: kept as they are when nested.
+_REGION_NAMES = ("jmp_autocast_region", "jmp_full_precision_region", "jmp_cast_at_use")
+_CAST_AT_USE = "jmp_cast_at_use"
+# Run through `jmp_policy.matmul.mixed` when `reduce_dtype`/`accumulate_dtype` ask for it,
+# with lax's functions (they take the equations' parameters as keywords).
+_LAX_MATMULS = _jaxpr.LAX_MATMULS
+_bind = _jaxpr.bind
+_source_context = _jaxpr.source_context
+
+
+def _in_float32(ev: _Evaluation, eqn: Any, invals: list, half: np.dtype | None = None) -> list:
+    """`eqn` computed in float32. With `half` (a float32 island inside a half-precision
+    program), a nonlinear op on activations keeps its full-size operands for the backward pass
+    in `half`, not float32: the island's memory is what the same model in `half` keeps."""
+    kinds = [ev.kind(x) if _is_float(x) else None for x in invals]
+    # Full-size operands (activations, and statistics or weights broadcast to their size);
+    # smaller ones (a row's statistic, a weight as stored) stay float32: they cost little.
+    size = max(np.size(x) for x in invals)
+    on_activations = ACTIVATION in kinds or ISLAND in kinds
+    keep = [
+        i
+        for i, x in enumerate(invals)
+        if kinds[i] is not None and on_activations and size > 1 and np.size(x) == size
+    ]
+    rule = _jaxpr.rule_of(eqn)
+    if half is None or half == _FLOAT32 or not keep or (rule is not None and rule.linear):
+        outs = _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+    elif eqn.primitive is _jaxpr.DIV and keep == [0]:
+        outs = [_quotient_keeping_half(ev, invals[0], invals[1], half, eqn)]
+    else:
+        outs = _keeping_half(eqn, invals, frozenset(keep), half)
+    reduction = rule is not None and rule.reduction
+    ev.record(outs, combined([k for k in kinds if k is not None], reduction))
+    return outs
+
+
+def _quotient_keeping_half(ev: _Evaluation, a: Any, b: Any, half: np.dtype, eqn: Any) -> Any:
+    """`a / b` in float32 for an activation `a` and a statistic `b` (softmax's quotient, a
+    normalised value): its derivative needs only the quotient and `b`, so the quotient's
+    half-precision copy is kept (and taken by the matmul that follows), not `a`."""
+
+    def run(a, b):
+        return _bind(eqn, [_cast(a, _FLOAT32), _cast(b, _FLOAT32)])[0]
+
+    @jax.custom_vjp
+    def quotient(a, b):
+        q = run(a, b)
+        return q, _cast(q, half)
+
+    def forward(a, b):
+        q, copy = quotient(a, b)
+        return (q, copy), (copy, _cast(b, _FLOAT32))
+
+    a_dtype, b_dtype, b_shape = a.dtype, b.dtype, np.shape(b)
+
+    def backward(kept, cotangents):
+        copy, wide_b = kept
+        g = _cast(cotangents[0], _FLOAT32) + _cast(cotangents[1], _FLOAT32)
+        ga = g / wide_b
+        return _cast(ga, a_dtype), _cast(_sum_to(-ga * _cast(copy, _FLOAT32), b_shape), b_dtype)
+
+    quotient.defvjp(forward, backward)
+    return quotient(a, b)[0]
+
+
+def _sum_to(x: Any, shape: tuple) -> Any:
+    """The cotangent `x` of an operand of `shape` that an elementwise op broadcast to
+    `x.shape` (a scalar implicitly, size-1 axes explicitly): summed over what was broadcast."""
+    if x.shape == tuple(shape):
+        return x
+    if len(shape) == 0:
+        return jnp.sum(x)
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True)
+
+
+def _keeping_half(eqn: Any, invals: list, keep: frozenset, half: np.dtype) -> list:
+    """`eqn` in float32, differentiated from the operands in `keep` stored in `half` (the
+    backward pass recomputes the op's derivative in float32 from them)."""
+
+    def run(*operands):
+        return _bind(eqn, [_cast(x, _FLOAT32) for x in operands])
+
+    @jax.custom_vjp
+    def op(*operands):
+        return run(*operands)
+
+    def forward(*operands):
+        kept = [_cast(x, half) if i in keep else x for i, x in enumerate(operands)]
+        return run(*operands), kept
+
+    def backward(kept, cotangents):
+        floating = [i for i, x in enumerate(kept) if _is_float(x)]
+        wide = [_cast(x, _FLOAT32) for x in kept]
+
+        def of_floating(*values):
+            full = list(wide)
+            for i, v in zip(floating, values, strict=True):
+                full[i] = v
+            return run(*full)
+
+        _, vjp = jax.vjp(of_floating, *[wide[i] for i in floating])
+        grads = iter(vjp(list(cotangents)))
+        return tuple(
+            _cast(next(grads), x.dtype)
+            if _is_float(x)
+            else np.zeros(np.shape(x), jax.dtypes.float0)
+            for x in invals
+        )
+
+    op.defvjp(forward, backward)
+    return op(*invals)
+
+
+def _half_among(values: Iterable) -> np.dtype | None:
+    """The 16-bit floating dtype among `values` (None if there is none)."""
+    for x in values:
+        if _is_float(x) and jnp.finfo(x.dtype).bits == 16:
+            return np.dtype(x.dtype)
+    return None
+
+
+def _adding_in_float32(eqn: Any, invals: list) -> list:
+    """`eqn` (a gather: `Rule.adds_in_transpose`) on its floating operands cast to float32,
+    its result cast back: the same values (a gather rounds nothing), and the backward pass's
+    sum of the cotangents (the gather's transpose, a scatter-add) made in float32. It is
+    linear: nothing of its operands is kept for the backward pass."""
+    outs = _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
+    return [_cast(o, invals[0].dtype) for o in outs]
+
+
+def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> list:
+    rules, name = ev.rules, eqn.primitive.name
+    if (
+        rules.fp8
+        and eqn.primitive is _jaxpr.DOT_GENERAL
+        and name in rules.allow
+        and len(floating) == 2
+    ):
+        lhs, rhs = (ev.operand(x, x.dtype) for x in invals)
+        dimension_numbers = eqn.params["dimension_numbers"]
+        outer = _jaxpr.current_name_stack()
+        where = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
+        scaling, fmt = rules.fp8
+        if fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, fmt) is None and (
+            fp8_excluded_by(where, rules.fp8_exclude) is None
+        ):
+            with _source_context(eqn):
+                if not isinstance(scaling, DelayedScaling):
+                    out = fp8_dot_general(
+                        lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling,
+                        out_dtype=rules.compute,
+                    )  # fmt: skip
+                elif ev.sites is None:  # inside a custom derivative: current scaling
+                    out = fp8_dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
+                                          out_dtype=rules.compute)  # fmt: skip
+                else:
+                    state = ev.sites.state_for(eqn)
+                    out = delayed_dot_general(
+                        lhs, rhs, dimension_numbers, state, scaling, out_dtype=rules.compute
+                    )
+            return [out]
+    mixed_ok = eqn.primitive in _LAX_MATMULS
+    if name in rules.allow and mixed_ok and (rules.reduce or rules.accumulate is not None):
+        # Only weights go in as float32 (their gradients made in float32): an activation
+        # that is float32 here (an island's output) is cast first, so the matmul keeps its
+        # half-precision copy for the backward pass, not the float32 one.
+        lhs, rhs = (
+            x if rules.reduce and ev.kind(x) == WEIGHT else ev.operand(x, rules.compute)
+            for x in invals
+        )
+
+        def op(lhs, rhs, preferred):
+            # Through lax's functions, not `bind`: they add what the operands need
+            # (e.g. `pvary` for a replicated weight inside `shard_map`).
+            return _LAX_MATMULS[eqn.primitive](
+                lhs, rhs, **{**eqn.params, "preferred_element_type": preferred}
+            )
+
+        with _source_context(eqn):
+            return [mixed(op, rules.compute, rules.accumulate, lhs, rhs)]
+    if name in rules.allow:
+        target = rules.compute
+        invals = [ev.operand(x, target) for x in invals]
+        if (
+            "preferred_element_type" in eqn.params
+            and eqn.params["preferred_element_type"] is not None
+        ):
+            # Output in the compute dtype: its backward matmuls stay in it too
+            # (GPUs accumulate half-precision matmuls in float32 regardless).
+            return _bind(eqn, invals, preferred_element_type=target)
+        return _bind(eqn, invals)
+    # Float32 islands: under the region's `jax.checkpoint` (`ev.keeps`) they are computed
+    # again in the backward pass from what it keeps, so nothing of theirs is kept.
+    island_half = None if ev.keeps is not None else rules.compute
+    if name in rules.deny:
+        return _in_float32(ev, eqn, invals, island_half)
+    strong = [i for i in floating if not getattr(eqn.invars[i].aval, "weak_type", False)]
+    if not strong:
+        outs = _bind(eqn, invals)
+        ev.record(outs, combined(ev.kinds_of(invals)))
+        return outs
+    target, kind = meet([invals[i].dtype for i in strong], [ev.kind(invals[i]) for i in strong])
+    if target == _FLOAT32 and kind == ISLAND:  # an island computing on activations
+        return _in_float32(ev, eqn, invals, island_half)
+    # Only an elementwise op broadcasts its operands to its output's shape (a concatenation
+    # or a scatter does not).
+    rule = _jaxpr.rule_of(eqn)
+    elementwise = rule is not None and rule.elementwise
+    shape = eqn.outvars[0].aval.shape if rules.reduce and elementwise else None
+    met = [_meeting(ev, x, target, shape) for x in invals]
+    if rule is not None and rule.adds_in_transpose and _half_among(met) is not None:
+        outs = _adding_in_float32(eqn, met)
+    else:
+        outs = _bind(eqn, met)
+    ev.record(outs, kind)
+    return outs
+
+
+def _meeting(ev: _Evaluation, x: Any, target: Any, shape: tuple | None) -> Any:
+    """`x` cast to the dtype of the op it meets: a weight or constant cast down as
+    `activations.weight_at_use` says (saturating; broadcast in float32 first with `shape`)."""
+    if _is_float(x) and x.dtype != target and ev.kind(x) == WEIGHT:
+        if np.ndim(x) != len(shape or ()):
+            shape = None
+        return weight_at_use(x, target, shape)
+    return _cast(x, target)

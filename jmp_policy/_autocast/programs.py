@@ -1,0 +1,439 @@
+"""How autocast runs a program: equation by equation (`_jaxpr.evaluate`), its sub-programs
+rebuilt with public APIs (calls inlined; `scan`, `while`, `cond` and `jax.checkpoint` with
+autocast bodies; custom derivatives with their rules kept), and `cast_at_use`'s weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_policy._autocast.activations import (
+    WEIGHT,
+    combined,
+    weight_at_use,
+)
+from jmp_policy._autocast.evaluation import (
+    _FLOAT32,
+    _cast,
+    _cast_like_avals,
+    _Evaluation,
+    _is_float,
+    _widest,
+)
+from jmp_policy._autocast.ops import (
+    _LAX_MATMULS,
+    _REGION_NAMES,
+    _adding_in_float32,
+    _bind,
+    _eval_by_rules,
+    _half_among,
+    _in_float32,
+    _source_context,
+)
+from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._reports.census import PrecisionWarning
+from jmp_policy.matmul import mixed
+
+
+def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ev: _Evaluation) -> list:
+    def rule(eqn: Any, invals: list) -> list:
+        return ev.kept(eqn, _eval_equation(ev, eqn, invals))
+
+    return _jaxpr.evaluate(jaxpr, consts, args, rule)
+
+
+def _eval_closed(closed: Any, args: list, ev: _Evaluation) -> list:
+    return _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ev)
+
+
+def _as_traced(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """`eqn` on its operands cast back to the dtypes it was traced with."""
+    outs = _bind(eqn, _cast_like_avals(invals, _avals(eqn.invars)))
+    ev.record(outs, combined(ev.kinds_of(invals)))
+    return outs
+
+
+_UNKNOWN_WARNED: set[str] = set()
+
+
+def _unknown(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """A primitive without a rule (`_jaxpr.rule_of`): it runs as traced, and the user is told
+    once, so the float32 it may run in is never silent."""
+    name = eqn.primitive.name
+    if name not in _UNKNOWN_WARNED:
+        _UNKNOWN_WARNED.add(name)
+        warnings.warn(
+            f"autocast has no rule for the primitive {name!r}: it runs in the dtypes it was "
+            "traced with. Name it in `allow` (compute dtype) or `deny` (float32) to decide.",
+            PrecisionWarning,
+            stacklevel=2,
+        )
+    return _as_traced(ev, eqn, invals)
+
+
+def _eval_equation(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    rules, name = ev.rules, eqn.primitive.name
+    if eqn.primitive in _jaxpr.STRUCTURAL or _jaxpr.is_call(eqn):
+        return _eval_structural(ev, eqn, invals)
+    if rules.at_use:
+        return _eval_cast_at_use(ev, eqn, invals)
+    if eqn.primitive in _jaxpr.CUSTOM_DERIVATIVES:
+        outs = _eval_custom_derivative(ev, eqn, _cast_like_avals(invals, _avals(eqn.invars)))
+        ev.record(outs, combined(ev.kinds_of(invals)))
+        return outs
+    if name == _jaxpr.SHARD_MAP_NAME:
+        raise NotImplementedError(
+            "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
+            "function instead (shard_map(autocast(f, policy), ...))."
+        )
+    if _jaxpr.sub_programs(eqn) or _jaxpr.is_callback(eqn):
+        return _as_traced(ev, eqn, invals)  # typed callbacks and opaque sub-programs stay exact
+    floating = [i for i, x in enumerate(invals) if _is_float(x)]
+    if not floating:
+        return _bind(eqn, invals)
+    rule = _jaxpr.rule_of(eqn)
+    if rule is None:
+        if name in rules.allow or name in rules.deny:  # the user's lists decide
+            return _eval_by_rules(ev, eqn, invals, floating)
+        return _unknown(ev, eqn, invals)
+    if rule.runs_in == _jaxpr.NO_HALF_KERNEL:
+        return _in_float32(ev, eqn, invals)
+    if rule.runs_in == _jaxpr.AS_TRACED:
+        return _as_traced(ev, eqn, invals)
+    return _eval_by_rules(ev, eqn, invals, floating)
+
+
+def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """An equation as traced, except on a weight's cast down from float32:
+    - a matmul or conv takes the float32 weight and casts it inside
+      `jmp_policy.matmul.mixed`, so its gradient is made in float32;
+    - a shape-only operation runs on the float32 weight and is cast after it, and an
+      elementwise one that broadcasts the weight (a bias added to a batch) gets it
+      broadcast in float32 first, so the sum over the batch that is its gradient runs in
+      float32 (a 16-bit activation broadcast over size-1 axes too).
+    Either way the forward values are the same, and the gradient is summed across devices
+    in float32."""
+    rule = _jaxpr.rule_of(eqn)
+    # A weight's cast moved (reshaped, or its rows gathered: an embedding): the float32
+    # weight moved, then cast.
+    moves = rule is not None and (rule.layout or rule.adds_in_transpose)
+    moved = ev.downcast(invals[0]) if moves and invals else None
+    if moved is not None:
+        half, weight = moved
+        (wide,) = _bind(eqn, [weight, *invals[1:]])
+        out = _cast(wide, half.dtype)
+        ev.add_downcast(out, wide)
+        return [out]
+    if rule is not None and rule.elementwise:
+        shape = eqn.outvars[0].aval.shape
+
+        def broadcast(x: Any) -> Any:
+            if not _is_float(x) or np.shape(x) == shape or np.ndim(x) != len(shape):
+                return x
+            found = ev.downcast(x)
+            if found is not None:
+                return _cast(jnp.broadcast_to(found[1], shape), x.dtype)
+            if jnp.finfo(x.dtype).bits == 16:
+                # A 16-bit value broadcast over size-1 axes (`x - logsumexp(x)` in the model's
+                # own code): broadcast in float32, so its gradient, a sum over those axes,
+                # is summed in float32. The same values forward.
+                return _cast(jnp.broadcast_to(_cast(x, _FLOAT32), shape), x.dtype)
+            return x
+
+        invals = [broadcast(x) for x in invals]
+    if eqn.primitive in _LAX_MATMULS:
+        found = [ev.downcast(x) for x in invals]
+        if any(f is not None for f in found):
+            compute = next(x.dtype for x, f in zip(invals, found, strict=True) if f is not None)
+            lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
+            preferred = eqn.params.get("preferred_element_type")
+            wider = preferred is not None and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
+
+            def op(lhs, rhs, preferred):
+                return _LAX_MATMULS[eqn.primitive](
+                    lhs, rhs, **{**eqn.params, "preferred_element_type": preferred}
+                )
+
+            with _source_context(eqn):
+                out = mixed(op, compute, preferred if wider else None, lhs, rhs)
+            return [_cast(out, eqn.outvars[0].aval.dtype)]
+    half = _half_among(invals)
+    if half is not None and rule is not None and rule.runs_in == _jaxpr.FLOAT32:
+        # The float32 list, in the model's own code too (a segment sum, exp, log, a
+        # cumulative sum): computed in float32 (a weight's cast from its float32 weight),
+        # handed back in the dtype it was traced with.
+        wide = [x if (found := ev.downcast(x)) is None else found[1] for x in invals]
+        return _cast_like_avals(_in_float32(ev, eqn, wide, half), _avals(eqn.outvars))
+    if half is not None and rule is not None and rule.adds_in_transpose:
+        return _adding_in_float32(eqn, invals)
+    outs = _bind(eqn, invals)
+    if (
+        eqn.primitive is _jaxpr.CONVERT
+        and ev.is_weight(invals[0])
+        and invals[0].dtype == _FLOAT32
+        and _is_float(outs[0])
+        and jnp.finfo(outs[0].dtype).bits == 16
+    ):
+        ev.add_downcast(outs[0], invals[0])
+    return outs
+
+
+def _avals(variables: Iterable) -> list:
+    return [v.aval for v in variables]
+
+
+def _rewritten(fun: Callable[..., list], args: Sequence[Any], ev: _Evaluation) -> list:
+    """`fun(*args)` traced and run by the rules, its outputs in the dtypes it was traced
+    with."""
+    closed = jax.make_jaxpr(fun)(*args)
+    return _cast_like_avals(_eval_closed(closed, list(args), ev), closed.out_avals)
+
+
+def _eval_custom_derivative(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """A `jax.custom_jvp`/`jax.custom_vjp` function (`invals` in the dtypes it was traced
+    with), as torch.amp runs a custom autograd function: its computation by the rules (its
+    matmuls in the compute dtype), and the derivative rule as the user wrote it, on values in
+    the dtypes it was written for. Rebuilt with the public APIs from JAX's own derivative of
+    the equation: `custom_jvp`'s rule traced by `jax.jvp` and run by the rules, its outputs
+    cast back; `custom_vjp`'s forward pass (`jax.vjp`: the outputs and the residuals the
+    backward pass keeps) run by the rules and cast back, and its backward pass run as
+    written on those residuals."""
+    n_out = len(eqn.outvars)
+    body = _jaxpr.inlined_body(eqn)  # the function's own program
+    ev = ev.naming_nothing()
+
+    def original(*args: Any) -> list:
+        return _bind(eqn, list(args))
+
+    def primal(*args: Any) -> list:
+        outs = _eval_closed(body, list(args), ev)
+        return _cast_like_avals(outs, _avals(eqn.outvars))
+
+    if eqn.primitive is _jaxpr.CUSTOM_JVP:
+
+        @jax.custom_jvp
+        def with_jvp(*args):
+            return primal(*args)
+
+        @with_jvp.defjvp
+        def _(primals, tangents):
+            n = len(primals)
+
+            def jvp(*both):
+                outs, tangents_out = jax.jvp(original, both[:n], both[n:])
+                return [*outs, *tangents_out]
+
+            # Plain matmuls (not `matmul.mixed`, a custom_vjp): a custom_jvp rule's tangents
+            # must stay transposable.
+            linear = dataclasses.replace(ev.rules, reduce=False, accumulate=None)
+            outs = _rewritten(jvp, [*primals, *tangents], ev.with_rules(linear))
+            return outs[:n_out], outs[n_out:]
+
+        return list(with_jvp(*invals))
+
+    pullback: list = []  # the tree of `jax.vjp`'s function: its leaves are the residuals
+
+    def forward(*args: Any) -> list:
+        outs, vjp = jax.vjp(original, *args)
+        residuals, tree = jax.tree.flatten(vjp)
+        pullback[:] = [tree]
+        return [*outs, *residuals]
+
+    @jax.custom_vjp
+    def fun(*args):
+        return primal(*args)
+
+    def fwd(*args):
+        outs = _rewritten(forward, args, ev)
+        return outs[:n_out], outs[n_out:]
+
+    def bwd(residuals, cotangents):
+        return tuple(jax.tree.unflatten(pullback[0], residuals)(list(cotangents)))
+
+    fun.defvjp(fwd, bwd)
+    return list(fun(*invals))
+
+
+def _eval_structural(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    params = eqn.params
+    if _jaxpr.is_call(eqn):
+        inner = _jaxpr.inlined_body(eqn)
+        if params.get("name", "").startswith(_REGION_NAMES):
+            return _bind(eqn, _cast_like_avals(invals, inner.in_avals))
+        return (
+            _eval_closed(inner, invals, ev)
+            if hasattr(inner, "consts")
+            else _eval_jaxpr(inner, [], invals, ev)
+        )
+    # The loop or branch keeps its place in the name stack (its body's are relative to it).
+    if eqn.primitive is _jaxpr.SCAN:
+        with _source_context(eqn):
+            return _eval_scan(ev, eqn, invals)
+    if eqn.primitive is _jaxpr.WHILE:
+        with _source_context(eqn):
+            return _eval_while(ev, params, invals)
+    if eqn.primitive is _jaxpr.COND:
+        with _source_context(eqn):
+            return _eval_cond(ev, params, invals)
+    # `jax.checkpoint` (`_jaxpr.REMAT`): an open jaxpr without consts.
+    inside = ev.within_checkpoint(params["policy"])
+    body = functools.partial(_eval_jaxpr, params["jaxpr"], [], ev=inside)
+
+    wide = _wide_sources(ev, invals)
+
+    def rematted(*inner):
+        inner = _follow_weights(ev, invals, list(inner), wide)
+        ev.inherit(invals, inner)
+        return body(inner)
+
+    with _source_context(eqn):
+        outs = jax.checkpoint(rematted, prevent_cse=params["prevent_cse"], policy=params["policy"])(
+            *invals, *[w for _, w in wide]
+        )
+    # What the user's checkpoint hands out is kept, as the user's own checkpoint keeps the
+    # boundary of what it recomputes: otherwise the region's checkpoint computes the body
+    # once more to find it (nn.scan over nn.remat blocks: 16-25% slower on this CPU).
+    return [ev.kept_value(o) for o in outs]
+
+
+def _wide_sources(ev: _Evaluation, outer: list) -> list:
+    """`cast_at_use`: [(position, float32 weight)] of a body's inputs that are a weight's
+    cast, to be passed into the body beside them."""
+    if not ev.rules.at_use:
+        return []
+    found = [(i, ev.downcast(v)) for i, v in enumerate(outer)]
+    return [(i, f[1]) for i, f in found if f is not None]
+
+
+def _follow_weights(ev: _Evaluation, outer: list, inner: list, wide: list) -> list:
+    """`cast_at_use`: a body's input that is a weight (or one layer of stacked weights in a
+    `scan`) is a weight too, and one that is a weight's cast is that (its float32 weight
+    passed in after the body's own inputs, per `_wide_sources`). Returns the body's own
+    inputs."""
+    if not ev.rules.at_use:
+        return inner
+    inner, extra = inner[: len(outer)], inner[len(outer) :]
+    for o, i in zip(outer, inner, strict=True):
+        if ev.is_weight(o):
+            ev.add_weight(i)
+    for (position, _), w in zip(wide, extra, strict=True):
+        ev.add_downcast(inner[position], w)
+    return inner
+
+
+def _eval_scan(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    params = eqn.params
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts, init, xs = (
+        invals[:n_consts],
+        invals[n_consts : n_consts + n_carry],
+        invals[n_consts + n_carry :],
+    )
+
+    wide = _wide_sources(ev, xs)
+    checkpointed_body = any(e.primitive is _jaxpr.REMAT for e in params["jaxpr"].jaxpr.eqns)
+    # Float8 delayed scaling: the body's matmul states, stacked over the steps, go in
+    # beside `xs` (`_fp8_state.Sites`); while they are made, one record of them.
+    stacked, recording = (None, None) if ev.sites is None else ev.sites.scan_entry(eqn)
+
+    def evaluation(sliced: Any) -> _Evaluation:
+        if ev.sites is None:
+            return ev
+        return ev.with_sites(recording if recording is not None else ev.sites.child(sliced))
+
+    def run_body(carry: list, x: list, sliced: Any) -> list:
+        inner = evaluation(sliced)
+        outs = _eval_closed(params["jaxpr"], [*consts, *carry, *x], inner)
+        if inner.sites is not None and inner.sites is not recording:
+            inner.sites.check_used()
+        return outs
+
+    def body(carry, x_and_states):
+        x, sliced = x_and_states
+        x = _follow_weights(ev, xs, list(x), wide)
+        # The carry each step starts from is kept for the backward pass; without it the
+        # region's checkpoint runs the whole loop again to find it. A body that is the
+        # user's checkpoint (`nn.scan` over `nn.remat` blocks) keeps what that hands out.
+        if not checkpointed_body:
+            carry = [ev.kept_value(c) for c in carry]
+        ev.inherit([*init, *xs], [*carry, *x])
+        outs = run_body(carry, x, sliced)
+        new_carry = [_cast(o, c.dtype) for o, c in zip(outs[:n_carry], carry, strict=True)]
+        return new_carry, outs[n_carry:]
+
+    # A float32 carry that starts as a weight (an embedding, zeros) and that the body makes an
+    # activation (a layer's output, as under `nn.scan` over blocks) is carried in the compute
+    # dtype, as it is between the layers of a Python loop (`activations.meet`); a carry that
+    # the body keeps in float32 (a sum of losses, statistics) stays float32.
+    def made(carry):
+        def run(carry, x, sliced):
+            return run_body(carry, x, sliced)[:n_carry]
+
+        def one(v: Any) -> Any:
+            return jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+
+        sliced_one = jax.tree.map(one, stacked)
+        return [o.dtype for o in jax.eval_shape(run, carry, [one(v) for v in xs], sliced_one)]
+
+    init = list(init)
+    if any(_is_float(c) and c.dtype == _FLOAT32 and ev.kind(c) == WEIGHT for c in init):
+        for i, dtype in enumerate(made(init)):
+            c = init[i]
+            if _is_float(c) and c.dtype == _FLOAT32 and ev.kind(c) == WEIGHT and dtype != c.dtype:
+                init[i] = weight_at_use(c, dtype)
+
+    carry, ys = lax.scan(
+        body,
+        list(init),
+        ([*xs, *[w for _, w in wide]], stacked),  # a weight's cast: its float32 weight beside it
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _eval_while(ev: _Evaluation, params: dict, invals: list) -> list:
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+
+    def cond_fn(carry):
+        ev.inherit(init, carry)
+        return _eval_closed(params["cond_jaxpr"], [*cond_consts, *carry], ev)[0]
+
+    def body_fn(carry):
+        ev.inherit(init, carry)
+        outs = _eval_closed(params["body_jaxpr"], [*body_consts, *carry], ev)
+        return [_cast(o, c.dtype) for o, c in zip(outs, carry, strict=True)]
+
+    return list(lax.while_loop(cond_fn, body_fn, list(init)))
+
+
+def _eval_cond(ev: _Evaluation, params: dict, invals: list) -> list:
+    index, operands = invals[0], invals[1:]
+    branches = [functools.partial(_eval_closed, b, ev=ev) for b in params["branches"]]
+    shapes = [jax.eval_shape(lambda *a, f=f: f(list(a)), *operands) for f in branches]
+    dtypes = [
+        _widest([s[i].dtype for s in shapes])
+        if jnp.issubdtype(shapes[0][i].dtype, jnp.floating)
+        else None
+        for i in range(len(shapes[0]))
+    ]
+
+    def agreeing(f):
+        def run(*a):
+            ev.inherit(operands, a)
+            outs = f(list(a))
+            return [o if d is None else _cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
+
+        return run
+
+    return list(lax.switch(index, [agreeing(f) for f in branches], *operands))

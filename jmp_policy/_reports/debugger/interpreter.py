@@ -1,0 +1,334 @@
+"""The precision debugger's interpreter: a jaxpr run equation by equation (`_jaxpr.evaluate`),
+loops and branches unrolled into the one program that returns every value, replayed on the
+host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core.compat import eval_jaxpr
+from jmp_policy._core.overrides import FULL_PRECISION_REGION
+from jmp_policy._reports.debugger.names import _float32_island, _layer_and_direction, _once, _source
+from jmp_policy._reports.debugger.report import NonFiniteOrigin
+from jmp_policy._reports.debugger.values import _Accumulator, _all_finite, _carries_mask
+from jmp_policy.policy import is_floating_array
+
+
+class _Interpreter:
+    """Runs a jaxpr equation by equation (calls inlined); `_record` sees each operation."""
+
+    def run(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        stack: str,
+        cotangent: Sequence[bool] | None = None,
+        literal: Sequence[bool] | None = None,
+    ) -> list:
+        """Runs `jaxpr`, recording every operation on data.
+
+        With `cotangent` (which `args` carry the pullback's seed), an operation is backward when
+        its inputs carry it (a gradient), forward otherwise, whatever its name stack says (a
+        weight cast again for the backward pass is not a gradient). An operation on literals
+        alone (a mask or a placeholder the program builds from constants) is left out of the
+        statistics; an inf/NaN it makes from finite values is still one.
+        `literal` says which `args` come from literals alone. `self.flags_out` says, for each
+        output, (carries the seed, comes from literals alone).
+        """
+        seeded: set = set()  # variables that carry the pullback's seed
+        constant: set = set()  # variables computed from literals alone
+
+        def flags(v) -> tuple[bool, bool]:
+            if isinstance(v, jcore.Literal):
+                return False, True
+            return v in seeded, v in constant
+
+        def mark(variables, marks):
+            for v, (seed, const) in zip(variables, marks, strict=True):
+                if seed:
+                    seeded.add(v)
+                if const:
+                    constant.add(v)
+
+        mark(
+            jaxpr.invars,
+            zip(cotangent or [False] * len(args), literal or [False] * len(args), strict=True),
+        )
+
+        def rule(eqn: Any, invals: list) -> list:
+            in_flags = [flags(v) for v in eqn.invars]
+            gradient = any(f[0] for f in in_flags) if cotangent is not None else None
+            from_literals = all(f[1] for f in in_flags)
+            own = _once(str(eqn.source_info.name_stack))
+            here = "/".join(p for p in (stack, own) if p)
+            sub = _jaxpr.inlined_body(eqn)
+            if sub is not None:
+                if eqn.params.get("name") == FULL_PRECISION_REGION:
+                    here = f"{here}/{FULL_PRECISION_REGION}"  # `autocast.full_precision`
+                n = len(getattr(sub, "jaxpr", sub).invars)
+                outs = self.call(sub, invals[:n], in_flags[:n], here, cotangent is not None)
+                mark(eqn.outvars, self.flags_out)
+                return outs
+            structured = self._structured(eqn, invals, in_flags, here, cotangent is not None)
+            if structured is not None:
+                mark(eqn.outvars, self.flags_out)
+                return structured
+            outs = _jaxpr.bind(eqn, invals)
+            self._record(eqn, here, invals, outs, gradient, from_literals)
+            mark(eqn.outvars, [(bool(gradient), from_literals)] * len(eqn.outvars))
+            return outs
+
+        outs = _jaxpr.evaluate(jaxpr, consts, args, rule)
+        self.flags_out = [flags(v) for v in jaxpr.outvars]
+        return outs
+
+    def call(
+        self,
+        sub: Any,
+        args: Sequence[Any],
+        flags: Sequence[tuple[bool, bool]],
+        here: str,
+        seeded: bool,
+    ) -> list:
+        """Runs the (closed) jaxpr `sub` on `args` whose `(seeded, literal)` flags are `flags`;
+        `self.flags_out` then holds its outputs' flags."""
+        inner = getattr(sub, "jaxpr", sub)
+        consts = list(getattr(sub, "consts", []))
+        cotangent = [f[0] for f in flags] if seeded else None
+        return self.run(inner, consts, list(args), here, cotangent, [f[1] for f in flags])
+
+    def _structured(
+        self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool
+    ) -> list | None:
+        """A loop or branch (`scan`, `while`, `cond`) run by the interpreter, its body's operations
+        recorded one by one; None: bound as one operation."""
+        return None
+
+    def _record(
+        self,
+        eqn: Any,
+        stack: str,
+        invals: list,
+        outs: list,
+        gradient: bool | None = None,
+        from_literals: bool = False,
+    ) -> None:
+        raise NotImplementedError
+
+
+class _Host:
+    """Records operations with their values on the host: statistics, op errors, the first
+    inf/NaN."""
+
+    def __init__(self, acc: _Accumulator):
+        self.acc = acc
+        self.origin: NonFiniteOrigin | None = None
+        self.passed_on = 0
+
+    def record(
+        self,
+        eqn: Any,
+        key: tuple[str, str],
+        island: str | None,
+        from_literals: bool,
+        invals: list,
+        outs: list,
+        rerun: list | None,
+    ) -> None:
+        floats = [o for o in outs if is_floating_array(o)]
+        from_mask = _carries_mask(invals)
+        if not from_literals:
+            for value in floats:
+                self.acc.add(key, value, island, from_mask)
+            if key[1] == "forward":
+                self.acc.op_error(key[0], eqn, invals, outs, island, rerun)
+        if not floats or _all_finite(floats):
+            return
+        # A mask (1e30 or more, or its dtype's largest value) cast to or carried into a dtype
+        # that cannot hold it becomes -inf: still a mask, not an overflow. A NaN is never one.
+        mask_carried = from_mask and not any(
+            np.isnan(np.asarray(o, np.float64)).any() for o in floats
+        )
+        if _all_finite(invals) and not mask_carried:
+            if self.origin is None:
+                self.origin = NonFiniteOrigin(eqn.primitive.name, key[0], key[1], _source(eqn), 0)
+        else:
+            self.passed_on += 1
+
+
+def _merge_flags(runs: Sequence[Sequence[tuple[bool, bool]]]) -> list[tuple[bool, bool]]:
+    """The flags of values that may come from any of `runs` (loop iterations, branches): seeded
+    if any run's is, from literals alone if every run's is."""
+    return [(any(f[0] for f in fs), all(f[1] for f in fs)) for fs in zip(*runs, strict=True)]
+
+
+class _Collector(_Interpreter):
+    """Runs the program once under `jax.jit`, keeping what `_Interpreter._record` reads (every
+    recorded operation's inputs, outputs and re-run outputs) as outputs of that one program;
+    `replay` then records them on the host. One compile instead of one per operation.
+
+    Loops and branches are descended into, so the layers inside them are named and judged
+    operation by operation, and a loop's carry is never cast: a `scan` is unrolled; a `cond`
+    runs every branch, and only the taken one's operations are recorded; a `while` loop runs
+    as many times as it ran in the program, which a first run with a counter tells
+    (`trip_counts`, keyed by where the loop sits; `pending` lists those still unknown)."""
+
+    def __init__(self, acc: _Accumulator, trip_counts: dict | None = None):
+        self.acc = acc
+        self.records: list = []
+        self.kept: list = []
+        self._index: dict[int, int] = {}
+        self.trip_counts = trip_counts or {}
+        self.pending: dict[tuple, int] = {}  # a while loop's place -> its counter in `kept`
+        self._guards: list[tuple[int, int]] = []  # (branch index in `kept`, this branch)
+        self._place: list[tuple] = []  # the loop iterations and branches around this point
+        self._seen: dict[tuple, int] = {}
+
+    def _where(self, eqn: Any) -> tuple:
+        """Where this run of `eqn` sits: the same in every run of the program."""
+        key = (*self._place, id(eqn))
+        self._seen[key] = self._seen.get(key, -1) + 1
+        return (*key, self._seen[key])
+
+    def _structured(
+        self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool
+    ) -> list | None:
+        primitive = eqn.primitive
+        if primitive not in (_jaxpr.SCAN, _jaxpr.WHILE, _jaxpr.COND):
+            return None
+        p, where = eqn.params, self._where(eqn)
+        if primitive is _jaxpr.COND:
+            index, runs, flags = invals[0], [], []
+            if not isinstance(index, jax.Array):  # a literal: only that branch can run
+                taken = int(np.clip(int(index), 0, len(p["branches"]) - 1))
+                return self.call(p["branches"][taken], invals[1:], in_flags[1:], here, seeded)
+            for b, branch in enumerate(p["branches"]):
+                self._guards.append((self._keep(index)[1], b))
+                self._place.append((where, b))
+                runs.append(self.call(branch, invals[1:], in_flags[1:], here, seeded))
+                flags.append(self.flags_out)
+                self._place.pop()
+                self._guards.pop()
+            self.flags_out = _merge_flags(flags)
+            if len(runs) == 1:
+                return runs[0]
+            return [jax.lax.select_n(index, *values) for values in zip(*runs, strict=True)]
+        if primitive is _jaxpr.SCAN:
+            nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+            consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+            carry_flags, xs_flags = in_flags[nc : nc + nk], in_flags[nc + nk :]
+            ys, ys_flags = [], []
+            for i in reversed(range(length)) if p["reverse"] else range(length):
+                self._place.append((where, i))
+                outs = self.call(
+                    p["jaxpr"],
+                    [*consts, *carry, *(x[i] for x in xs)],
+                    [*in_flags[:nc], *carry_flags, *xs_flags],
+                    here,
+                    seeded,
+                )
+                self._place.pop()
+                carry, carry_flags = outs[:nk], self.flags_out[:nk]
+                ys.append(outs[nk:])
+                ys_flags.append(self.flags_out[nk:])
+            if p["reverse"]:
+                ys.reverse()
+            empty = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
+            stacked = [jnp.stack(y) for y in zip(*ys, strict=True)] if ys else empty
+            self.flags_out = [
+                *carry_flags,
+                *(_merge_flags(ys_flags) if ys else in_flags[nc + nk :]),
+            ]
+            return [*carry, *stacked]
+        # while: cond_consts, body_consts, carry.
+        cc, bc = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts, carry = invals[:cc], invals[cc : cc + bc], invals[cc + bc :]
+        if where not in self.trip_counts:
+            # Not known yet: run it whole, with a counter, for the next run of the program.
+            outs = _jaxpr.bind(eqn, invals)
+            self.pending[where] = self._keep(_trip_count(p, cond_consts, body_consts, carry))[1]
+            self.flags_out = list(in_flags[cc + bc :])  # this run is not recorded
+            return list(outs)
+        carry_flags = in_flags[cc + bc :]
+        for i in range(self.trip_counts[where]):
+            self._place.append((where, i))
+            carry = self.call(
+                p["body_jaxpr"],
+                [*body_consts, *carry],
+                [*in_flags[cc : cc + bc], *carry_flags],
+                here,
+                seeded,
+            )
+            self._place.pop()
+            carry_flags = self.flags_out
+        self.flags_out = carry_flags
+        return list(carry)
+
+    def _keep(self, value: Any) -> tuple[bool, Any]:
+        if isinstance(value, jax.Array):  # traced (or a constant): an output of the program
+            if id(value) not in self._index:
+                self._index[id(value)] = len(self.kept)
+                self.kept.append(value)  # kept alive: ids stay unique
+            return True, self._index[id(value)]
+        return False, value
+
+    def _record(
+        self,
+        eqn: Any,
+        stack: str,
+        invals: list,
+        outs: list,
+        gradient: bool | None = None,
+        from_literals: bool = False,
+    ) -> None:
+        key = _layer_and_direction(stack, gradient)
+        island = _float32_island(stack)
+        judged = not from_literals and key[1] == "forward" and island is None
+        rerun = self.acc.rerun(eqn, invals, outs) if judged else None
+        self.records.append(
+            (
+                tuple(self._guards),
+                eqn,
+                key,
+                island,
+                from_literals,
+                [self._keep(v) for v in invals],
+                [self._keep(o) for o in outs],
+                None if rerun is None else [self._keep(r) for r in rerun],
+            )
+        )
+
+    def replay(self, kept: Sequence[Any]) -> _Host:
+        """Records every operation with the program's values, in program order."""
+        host = _Host(self.acc)
+
+        def get(refs: list) -> list:
+            return [kept[v] if traced else v for traced, v in refs]
+
+        for guards, eqn, key, island, from_literals, invals, outs, rerun in self.records:
+            if any(int(np.asarray(kept[index])) != branch for index, branch in guards):
+                continue  # a branch the program did not take
+            rerun = None if rerun is None else get(rerun)
+            host.record(eqn, key, island, from_literals, get(invals), get(outs), rerun)
+        return host
+
+
+def _trip_count(params: dict, cond_consts: list, body_consts: list, carry: list) -> jax.Array:
+    """How many times the `while` loop of `params` runs from `carry`."""
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+
+    def go_on(state):
+        return eval_jaxpr(cond.jaxpr, cond.consts, *cond_consts, *state[1])[0]
+
+    def step(state):
+        return state[0] + 1, eval_jaxpr(body.jaxpr, body.consts, *body_consts, *state[1])
+
+    return jax.lax.while_loop(go_on, step, (jnp.zeros((), jnp.int32), list(carry)))[0]

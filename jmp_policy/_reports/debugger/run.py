@@ -1,0 +1,185 @@
+"""`debug_precision`: a loss's value and gradient traced with the pullback's seed as an input,
+run as one program, read on the host."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core import naming as _naming
+from jmp_policy._core.pytree import is_traced_leaf, pure_nnx, split_traced
+from jmp_policy._reports.debugger.interpreter import _Collector
+from jmp_policy._reports.debugger.names import _hoisted, _renamed
+from jmp_policy._reports.debugger.report import OpError, PrecisionDebugReport
+from jmp_policy._reports.debugger.values import _Accumulator, _all_finite
+from jmp_policy.policy import is_floating_array
+
+
+def _target_dtype(dtype: DTypeLike) -> np.dtype:
+    try:
+        target = jnp.dtype(dtype)
+    except TypeError:
+        target = None
+    allowed = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32")
+    if target is None or target.name not in allowed:
+        raise TypeError(f"Expected one of {allowed} for `dtype`, got {dtype!r}.")
+    return target
+
+
+def _with_seed(
+    fun: Callable[..., Any], args: Sequence[Any], argnums: int | Sequence[int], has_aux: bool
+) -> tuple[Any, list, list[bool], Any]:
+    """`jax.value_and_grad(fun, argnums, has_aux)(*args)` as a jaxpr whose last input is the
+    pullback's seed (a one): what carries it is a gradient, the rest is forward.
+
+    Returns the closed jaxpr, its inputs, which inputs are the seed, and the shapes of its
+    outputs `(value, grads)` (`((value, aux), grads)` with `has_aux`)."""
+    diff = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def value_and_pullback(args, seed):
+        def of_diff(*chosen):
+            full = list(args)
+            for i, value in zip(diff, chosen, strict=True):
+                full[i] = value
+            return fun(*full)
+
+        value, pullback, *aux = jax.vjp(of_diff, *(args[i] for i in diff), has_aux=has_aux)
+        if jnp.shape(value) != () or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+            raise TypeError(f"Expected `loss_fn` to return a floating scalar, got {value}.")
+        grads = pullback(seed.astype(jnp.result_type(value)))  # the cast carries the seed too
+        return (value, *aux) if has_aux else value, grads[0] if isinstance(argnums, int) else grads
+
+    seed = jnp.ones((), jnp.float32)
+    with _naming.module_names():  # NNX and Equinox modules named by their paths
+        closed, shapes = jax.make_jaxpr(value_and_pullback, return_shape=True)(list(args), seed)
+    flat = [*jax.tree.leaves(list(args)), seed]
+    return closed, flat, [False] * (len(flat) - 1) + [True], shapes
+
+
+def debug_precision(
+    loss_fn: Callable[..., Any],
+    *args: Any,
+    dtype: DTypeLike = "float16",
+    loss_scale: float = 1.0,
+    argnums: int | Sequence[int] = 0,
+) -> PrecisionDebugReport:
+    """Per-layer statistics of `loss_fn(*args)`'s forward and backward pass in a target dtype.
+
+    Traces `jax.value_and_grad(loss_fn, argnums)` (with the pullback's seed as an input, so
+    that what carries it is the backward pass) and runs it as one compiled program that
+    returns every intermediate value, and each judged operation again in the other precision
+    (use small example inputs: every value is kept). NNX and Equinox
+    modules called while it traces are named by their paths (see `jmp_policy._core.naming`).
+
+    Args:
+      loss_fn: a scalar loss, e.g. `lambda p, x, y: loss(model.apply({"params": p}, x), y)`; it
+        may already run under a policy or `autocast`: then only what runs in `dtype` is judged
+        (`PrecisionDebugReport.judged`).
+      *args: its example arguments: pytrees (NNX modules and states, Equinox modules); leaves
+        that are not arrays (an activation function, a flag) are passed as they are.
+      dtype: the dtype the values are judged against: "float16", "bfloat16",
+        "float8_e4m3fn" or "float8_e5m2".
+      loss_scale: the loss scale the gradients are judged at (forward values are not scaled).
+      argnums: which arguments the gradients are taken of.
+
+    Returns:
+      A `PrecisionDebugReport`: `print` it, `.advice()`, `.plot(path)`.
+
+    Raises:
+      TypeError: `dtype` is not one of those, or `loss_fn` does not return a scalar.
+      ValueError: `loss_scale` is not a positive finite number.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jmp_policy as jmp
+      >>> # exp(12) = 162755 does not fit in float16 (largest 65504): 3 doublings too many.
+      >>> report = jmp.debug_precision(lambda w, x: jnp.sum(jnp.exp(x * w)), 12.0, jnp.ones(3))
+      >>> [(s.direction, round(s.amax), s.headroom) for s in report.layers]
+      [('forward', 488264, -3), ('backward', 488264, -3)]
+      >>> report.advice()["loss_scale"]
+      {'initial': 0.0625, 'hysteresis': 1}
+    """
+    target = _target_dtype(dtype)
+    if not (isinstance(loss_scale, (int, float)) and loss_scale > 0 and math.isfinite(loss_scale)):
+        raise ValueError(f"Expected a positive finite number for `loss_scale`, got {loss_scale!r}.")
+    # An argument that is a number is an array; inside a pytree, leaves that are not arrays (an
+    # Equinox module's activation function, a flag) are passed as they are, as
+    # `eqx.filter_jit` does.
+    args = tuple(jnp.asarray(a) if isinstance(a, (int, float)) else a for a in args)
+    leaves = jax.tree_util.tree_leaves_with_path(args)
+    bad_inputs = tuple(
+        f"args{jax.tree_util.keystr(path)}"
+        for path, leaf in leaves
+        if is_traced_leaf(leaf) and is_floating_array(leaf) and not _all_finite([leaf])
+    )
+    # An NNX module among the arguments: its state is what is traced, and it is merged back
+    # inside the trace, so one that writes variables (BatchNorm, Dropout) can be called there.
+    args, merge = pure_nnx(args)
+    split = [split_traced(a) for a in args]
+
+    def on_arrays(*arrays):
+        return loss_fn(*merge([rebuild(a) for a, (_, rebuild) in zip(arrays, split, strict=True)]))
+
+    arrays = [traced for traced, _ in split]
+    closed, flat, cotangent, _ = _with_seed(on_arrays, arrays, argnums, has_aux=False)
+    under_policy = target != jnp.float32 and _computes_in(closed.jaxpr, target)
+    acc = _Accumulator(target, float(loss_scale), under_policy)
+    trip_counts: dict = {}
+    while True:  # once, or again while `while` loops inside it have trip counts to learn
+        collector = _Collector(acc, trip_counts)
+
+        def program(flat, collector=collector):
+            # Constants (a mask literal) are cast with NumPy while this traces: one beyond the
+            # target dtype's range becomes inf there, as it does in the program, unwarned.
+            with np.errstate(over="ignore"):
+                outs = collector.run(closed.jaxpr, closed.consts, flat, "", cotangent)
+            return outs, collector.kept
+
+        # Inputs rounded to the target dtype must stay rounded inside the one program.
+        compiled = jax.jit(program).lower(flat).compile({"xla_allow_excess_precision": False})
+        outs, kept = compiled(flat)
+        if not collector.pending:
+            break
+        trip_counts.update({k: int(kept[i]) for k, i in collector.pending.items()})
+    host = collector.replay(kept)
+    hoisted = _hoisted(layer for layer, _ in acc.stats)
+    origin = host.origin
+    if origin is not None:
+        layer = hoisted.get(origin.layer, origin.layer)
+        origin = dataclasses.replace(origin, layer=layer, passed_on=host.passed_on)
+    errors: dict[tuple[str, str], float] = {}
+    for (layer, op), error in acc.op_errors.items():
+        key = (hoisted.get(layer, layer), op)
+        errors[key] = max(error, errors.get(key, 0.0))
+    measured = [OpError(layer, op, error) for (layer, op), error in errors.items()]
+    op_errors = tuple(sorted(measured, key=lambda e: -e.error))
+    return PrecisionDebugReport(
+        dtype=target.name,
+        loss_scale=float(loss_scale),
+        layers=acc.layers(),
+        origin=origin,
+        nonfinite_inputs=bad_inputs,
+        loss=float(np.asarray(outs[0])),
+        op_errors=op_errors,
+        matmul_layers=_renamed(acc.matmul_layers, hoisted),
+        judged="target" if under_policy else "all",
+        target_layers=acc.layers(target=True),
+        float32_layers=_renamed(acc.float32_layers, hoisted),
+    )
+
+
+def _computes_in(jaxpr: Any, dtype: np.dtype) -> bool:
+    """Whether some operation of `jaxpr` (or of a program inside it) outputs `dtype` values."""
+    return any(
+        eqn.primitive is not _jaxpr.CONVERT
+        and any(getattr(v.aval, "dtype", None) == dtype for v in eqn.outvars)
+        for eqn, _ in _jaxpr.walk(jaxpr)
+    )
