@@ -36,6 +36,13 @@ report records, `value_and_grad_with_stats`); `jmp_policy.low_precision`; `jmp_p
 Names that were at the top level before are still found there for one release, with a
 `DeprecationWarning` naming their module.
 
+The source: the public modules are faces; what they show is built in one private package per
+family, each with a docstring naming its files: `_core` (the jaxpr core, the compatibility
+layer, pytrees, module names), `_loss_scaling`, `_autocast`, `_flax`, `_fp8`, `_low_precision`
+and `_reports` (`precision_report` and the debugger). `transform`, `census`, `loss_scale`,
+`finite`, `scaled_grad`, `diagnostics`, `activations`, `overrides` and `debugger` are module
+paths of earlier releases: they import for one release, with a `DeprecationWarning`.
+
 The guides and the API reference are in the repository's docs/ folder (`mkdocs serve`).
 """
 

@@ -221,7 +221,8 @@ def test_benchmark_against_a_revision_measures_both_loss_scalings():
     bench = load("benchmarks/bench_against_revision.py")
     old = bench.load_revision("HEAD")
     assert old.__name__.startswith("jmp_policy_at_") and old.loss_scaling is not jmp.loss_scaling
-    assert old.transform.LossScalingState is not jmp.scaling.LossScalingState
+    old_scaling = importlib.import_module(f"{old.__name__}.scaling")
+    assert old_scaling.LossScalingState is not jmp.scaling.LossScalingState
     shape = bench.shapes.by_name("mlp_float32", quick=True)
     init, step = bench.bench.loss_scaling_variant(old, optax.adam(1e-3), shape.loss)
     state = init(shape.params)

@@ -162,7 +162,15 @@ def test_module_paths_of_earlier_releases_import_with_a_deprecation_warning():
 
     package = pathlib.Path(jmp.__file__).parent
     families = {p.name for p in package.iterdir() if p.is_dir() and p.name.startswith("_")}
-    assert {"_core", "_loss_scaling", "_autocast", "_flax", "_fp8", "_reports"} <= families
+    assert {
+        "_core",
+        "_loss_scaling",
+        "_autocast",
+        "_flax",
+        "_fp8",
+        "_low_precision",
+        "_reports",
+    } <= families
     out = run(
         "import warnings, importlib\n"
         "import jmp_policy as jmp\n"
@@ -180,3 +188,27 @@ def test_module_paths_of_earlier_releases_import_with_a_deprecation_warning():
         "print('ok')\n"
     )
     assert out == "ok", out
+
+
+def test_the_library_imports_no_deprecated_path_of_its_own():
+    """Every module of the package but the old paths, imported in a fresh interpreter
+    (Flax and Equinox included): no DeprecationWarning that names jmp_policy."""
+    out = run(
+        "import warnings, importlib, pathlib\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import jmp_policy\n"
+        "    root = pathlib.Path(jmp_policy.__file__).parent\n"
+        "    files = [p.relative_to(root.parent).with_suffix('') for p in root.rglob('*.py')]\n"
+        "    names = ['.'.join(f.parts[:-1] if f.name == '__init__' else f.parts) for f in files]\n"
+        f"    old = {sorted('jmp_policy.' + p for p in OLD_PATHS)!r}\n"
+        "    kept = [n for n in names if not any(n == o or n.startswith(o + '.') for o in old)]\n"
+        "    for name in kept:\n"
+        "        importlib.import_module(name)\n"
+        "said = [str(w.message) for w in caught\n"
+        "        if w.category is DeprecationWarning and 'jmp_policy' in str(w.message)]\n"
+        "print(len(kept), said)\n"
+    )
+    count, said = out.split(" ", 1)
+    assert int(count) > 40 and said == "[]", out

@@ -11,8 +11,14 @@ path of the one module of its class below its caller, the one it was rebuilt fro
 caller's scope.
 
 Calls are intercepted by replacing `__call__` on the module classes for the duration of the
-trace (and only then; other threads' calls pass straight through); the debugger uses it,
-nothing in a train step does.
+trace (and only then; other threads' calls pass straight through:
+`test_other_threads_call_modules_as_they_are_while_the_debugger_names_them`); the debugger and
+`precision_report` use it, nothing in a train step does. Scoped subclasses given to the
+instances instead (as `nnx.mixed_precision` does for good) would name only the modules among the
+arguments: not those NNX's functional pattern builds inside the function
+(`nnx.merge(graphdef, state)` with the graph definition closed over, the State the argument:
+`test_nnx_layers_are_named_by_attribute_path[split-merge]`), nor a model the function closes
+over. The classes are the one place every instance passes through.
 
 `module_path` reads the module path a name stack names (Linen's, or these scopes), as the
 integrations' `overrides` take it, and `relative` drops the root's own name.

@@ -7,9 +7,9 @@ import warnings
 from jmp_policy._reports.debugger import *  # noqa: F403
 
 warnings.warn(
-    "jmp_policy.debugger is deprecated: import debug_precision from jmp_policy and its records "
-    "(PrecisionDebugReport, LayerStats, ...) from jmp_policy.reports. The path goes in the next "
-    "release.",
+    "jmp_policy.debugger is deprecated (now private): import debug_precision from jmp_policy "
+    "and its records (PrecisionDebugReport, LayerStats, ...) from jmp_policy.reports. The path "
+    "goes in the next release.",
     DeprecationWarning,
     stacklevel=2,
 )
