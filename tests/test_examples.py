@@ -41,6 +41,7 @@ def test_quickstart_learns():
     assert final_loss < 0.05
 
 
+@pytest.mark.slow  # two 100-step trainings (15 s); tests/test_fp8.py trains float8 quickly
 def test_linen_cnn_example_float8_against_bfloat16(tmp_path):
     policies = "mixed_bfloat16,mixed_float8"
     results = load("examples/linen_cnn.py").main(

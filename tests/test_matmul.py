@@ -217,6 +217,7 @@ def _kinds(found):
     return {(kind, dtype) for kind, dtype, _ in found}
 
 
+@pytest.mark.slow  # a run of bench_collectives.py (27 s): .ci/run's slow lane
 def test_gradients_cross_the_wire_in_float32_on_4_devices():
     # One run of the benchmark (its compiles are most of the time), two checks of its rows:
     # the dtypes of every collective, then the bytes. The float32 and hand-cast rows are
