@@ -388,6 +388,31 @@ def test_a_mask_of_any_large_constant_is_left_out(fill, how, dtype):
     assert not advised & {"select_n", "sub", "mul", "div", "broadcast_in_dim"}, advised
 
 
+def test_a_mask_below_1e30_is_taken_for_an_overflow():
+    # The limit of the magnitude rule (`_masks`'s docstring): -1e9 is not a mask to it, so a
+    # float32 model masked with -1e9 and judged against float16 overflows where the mask is,
+    # and the select and the softmax's subtraction that carry it are advised into float32.
+    def loss(w, x, fill):
+        h = x @ w
+        logits = h @ h.T
+        causal = jnp.tril(jnp.ones(logits.shape, bool))
+        masked = jnp.where(causal, logits, jnp.asarray(fill, jnp.float32))
+        return jnp.mean(jax.nn.softmax(masked, axis=-1) ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (8, 8)) * 0.1
+    x = jax.random.normal(jax.random.key(1), (6, 8))
+    overflow, advised = {}, {}
+    for fill in (-1e30, -1e9):
+        report = jmp.debug_precision(
+            lambda w, x, fill=fill: loss(w, x, fill), w, x, dtype="float16"
+        )
+        overflow[fill] = sum(s.overflow for s in report.layers if s.direction == "forward")
+        advised[fill] = {p for ps in report.advice()["islands"].values() for p in ps}
+    print(overflow, advised)
+    assert overflow[-1e30] == 0 and not advised[-1e30] & {"select_n", "sub"}
+    assert overflow[-1e9] > 0 and {"select_n", "sub"} <= advised[-1e9]
+
+
 def _nnx_model():
     from flax import nnx
 

@@ -21,7 +21,14 @@ _FLOAT16_LARGEST = 65504.0
 
 
 def _masks(magnitude: Any, dtype: Any) -> Any:
-    """Where `magnitude` (|x|, finite) is a masking constant for values of `dtype`."""
+    """Where `magnitude` (|x|, finite) is a masking constant for values of `dtype`.
+
+    A heuristic, by magnitude: 1e30 or more, the dtype's largest value or float16's. What it
+    cannot tell: a smaller mask (`-1e9`, as older attention code writes) is taken for an
+    activation, so against float16 it is reported as an overflow and the ops that carry it are
+    advised into float32 (`test_a_mask_below_1e30_is_taken_for_an_overflow`); a true activation
+    of 1e30 or more would be taken for a mask.
+    """
     largest = float(jnp.finfo(dtype).max) if jnp.issubdtype(dtype, jnp.floating) else math.inf
     return (magnitude >= _MASK_MAGNITUDE) | (magnitude == largest) | (magnitude == _FLOAT16_LARGEST)
 
