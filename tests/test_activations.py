@@ -106,6 +106,27 @@ def test_the_users_own_checkpoint_inside_autocast_keeps_what_its_policy_saves(
     assert kept == sorted(["float16[64,128]", *kept_in_block]), kept
 
 
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_half_precision_tanh_is_kept_once_and_not_computed_again(policy):
+    # tanh's derivative reads its output: the region keeps it (one half-precision value, which
+    # the next matmul takes as its operand too) rather than running tanh again in the backward
+    # pass. Inside the user's own checkpoint the user's policy decides (test above).
+    def loss(w1, w2, x):
+        return jnp.mean(jnp.tanh(x @ w1) @ w2)
+
+    w1, w2 = jnp.ones((64, 128)) * 0.01, jnp.ones((128, 8))
+    x = jax.random.normal(jax.random.key(0), (32, 64))
+    f = jmp.autocast(loss, policy)
+    half = jmp.get_policy(policy).compute_dtype
+    assert residual_bytes(f, w1, w2, x) == {half.name: 32 * 128 * half.itemsize}
+    program = jax.make_jaxpr(jax.grad(f))(w1, w2, x)
+    assert sum(e.primitive.name == "tanh" for e, _ in _jaxpr.walk(program)) == 1
+    rtol = 2e-2 if half == jnp.float16 else 2e-1
+    np.testing.assert_allclose(
+        jax.grad(f)(w1, w2, x), jax.grad(loss)(w1, w2, x), rtol=rtol, atol=1e-5
+    )
+
+
 def test_no_widen_op_narrow_pair_in_a_block():
     # A bias add runs in half precision: no value is widened, added to and narrowed back.
     block = GPT(dim=64, length=32, layers=1)

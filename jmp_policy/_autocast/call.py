@@ -13,7 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._autocast.evaluation import _FLOAT32, REGION_POLICY, _cast, _Evaluation
+from jmp_policy._autocast.evaluation import (
+    _FLOAT32,
+    REGION_POLICY,
+    REGION_POLICY_KEEPING_TRANSCENDENTALS,
+    _cast,
+    _Evaluation,
+)
 from jmp_policy._autocast.programs import _eval_closed
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import naming as _naming
@@ -133,6 +139,11 @@ class _Autocast:
         # names (its matmuls' operands and outputs, ...): its float32 islands are computed
         # again from them, as the Linen policy's are.
         checkpointed = not rules.at_use and rules.compute != _FLOAT32
+        # And its half-precision transcendentals' outputs, unless a checkpoint of the user's
+        # is inside: JAX would apply the region's policy inside it too.
+        transcendentals = checkpointed and not any(
+            eqn.primitive is _jaxpr.REMAT for eqn, _ in _jaxpr.walk(closed)
+        )
 
         n_state = 0 if state_tree is None else state_tree.num_leaves
         recipe = self._recipe
@@ -145,7 +156,7 @@ class _Autocast:
             if state_tree is not None and recipe is not None:
                 sites = Sites(recipe, jax.tree.unflatten(state_tree, state))
             keeps = _jaxpr.kept_for_backward if checkpointed else None
-            ev = _Evaluation(rules, keeps=keeps, sites=sites)
+            ev = _Evaluation(rules, keeps=keeps, sites=sites, transcendentals=transcendentals)
             for weight in flat[:n_weights] if rules.reduce else ():
                 ev.add_weight(weight)
             try:
@@ -163,7 +174,8 @@ class _Autocast:
             # prevent_cse stays True: without it XLA merges the recomputation with the
             # forward pass and keeps what was to be recomputed (compiled temp bytes of the
             # Equinox example 40.8 -> 48.0 MiB, the GPT loop 41.5 -> 48.7 MiB on XLA:CPU).
-            region = jax.checkpoint(region, policy=REGION_POLICY)
+            policy = REGION_POLICY_KEEPING_TRANSCENDENTALS if transcendentals else REGION_POLICY
+            region = jax.checkpoint(region, policy=policy)
         return jax.jit(region), out_tree, closed
 
     def __call__(self, *args, **kwargs):

@@ -94,15 +94,41 @@ RESIDUAL = "jmp_autocast_residual"
 """The name (`jax.ad_checkpoint.checkpoint_name`) of what an autocast region keeps for the
 backward pass: the outputs of the equations `_jaxpr.kept_for_backward` names (matmuls, ...)
 and the half-precision operands of its matmuls. The region is `jax.checkpoint`ed to save
-only these (`REGION_POLICY`): everything else, its float32 islands first, is computed again
-from them in the backward pass, so no island keeps a float32 activation."""
+only these (`REGION_POLICY`), and where it can, the half-precision transcendental functions'
+outputs (`REGION_POLICY_KEEPING_TRANSCENDENTALS`): everything else, its float32 islands first,
+is computed again from them in the backward pass, so no island keeps a float32 activation."""
 REGION_POLICY = jax.checkpoint_policies.save_only_these_names(RESIDUAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeepingTranscendentals:
+    """`REGION_POLICY`, and the outputs of the half-precision transcendental functions
+    (`_jaxpr.kept_in_half`), which their derivatives read: in the MLP of
+    benchmarks/bench_memory.py (GELU between its layers) float16 steps took 1.11x of Flax's
+    own `dtype=` model's computing them again, 1.04x keeping them (bfloat16: 0.98x, 0.90x).
+
+    For a region without a `jax.checkpoint` of the user's only: JAX applies the outermost
+    policy to every equation, inside the user's checkpoint too, whose policy decides there
+    (`test_the_users_own_checkpoint_inside_autocast_keeps_what_its_policy_saves`)."""
+
+    def __call__(self, primitive: Any, *avals: Any, **params: Any) -> bool:
+        return bool(REGION_POLICY(primitive, *avals, **params)) or _jaxpr.kept_in_half(
+            primitive, avals
+        )
+
+    def __repr__(self) -> str:  # as it shows in a jaxpr: the same in every process
+        return f"{REGION_POLICY!r} and half-precision transcendentals"
+
+
+REGION_POLICY_KEEPING_TRANSCENDENTALS = _KeepingTranscendentals()
 
 
 class _Records:
     """What one evaluation has learned of its values (see `_Evaluation`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, transcendentals: bool = False) -> None:
+        # Whether the region's policy keeps half-precision transcendentals' outputs.
+        self.transcendentals = transcendentals
         self.kinds: dict[int, tuple[Any, str]] = {}
         self.operands: dict[int, tuple[Any, Any]] = {}
         self.weights: dict[int, Any] = {}
@@ -145,7 +171,8 @@ class _Evaluation:
 
     `keeps` (None where the region is not `jax.checkpoint`ed: `cast_at_use`, float32):
     whose outputs are named `RESIDUAL` (`_jaxpr.kept_for_backward`; inside the user's own
-    `jax.checkpoint`, what its policy saves, as `within_checkpoint` says).
+    `jax.checkpoint`, what its policy saves, as `within_checkpoint` says). `transcendentals`:
+    the region's policy is `REGION_POLICY_KEEPING_TRANSCENDENTALS`.
     """
 
     def __init__(
@@ -154,11 +181,12 @@ class _Evaluation:
         records: _Records | None = None,
         keeps: Callable[[Any], bool] | None = None,
         sites: Sites | None = None,
+        transcendentals: bool = False,
     ):
         self.rules = rules
         self.keeps = keeps
         self.sites = sites
-        self._records = _Records() if records is None else records
+        self._records = _Records(transcendentals) if records is None else records
 
     def with_rules(self, rules: _Rules) -> _Evaluation:
         """The same evaluation (what it learned so far, and will) under other rules."""
@@ -184,8 +212,19 @@ class _Evaluation:
         return _Evaluation(self.rules, self._records, None)
 
     def kept(self, eqn: Any, outs: list) -> list:
-        """`eqn`'s outputs, named `RESIDUAL` where `keeps` says so."""
-        if self.keeps is None or not self.keeps(eqn):
+        """`eqn`'s outputs, named `RESIDUAL` where `keeps` says so. A half-precision
+        transcendental function's, which `REGION_POLICY_KEEPING_TRANSCENDENTALS` keeps as
+        they are, are recorded: a matmul that takes one as its operand keeps no copy."""
+        if self.keeps is None:
+            return outs
+        if not self.keeps(eqn):
+            records = self._records
+            if (
+                records.transcendentals
+                and records.open
+                and _jaxpr.kept_in_half(eqn.primitive, outs)
+            ):
+                records.operands.update({id(o): (o, o) for o in outs})
             return outs
         return [_named(o) for o in outs]
 

@@ -418,6 +418,27 @@ def kept_for_backward(eqn: Any) -> bool:
     return rule is None or rule.kept or is_callback(eqn) or bool(sub_programs(eqn))
 
 
+_TRANSCENDENTAL = frozenset(
+    "tanh sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh exp exp2 log log1p "
+    "expm1 logistic erf erfc erf_inv pow lgamma digamma".split()
+)
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def kept_in_half(primitive: Any, avals: Sequence[Any]) -> bool:
+    """Whether a transcendental function computed in half precision (an activation's `tanh`,
+    as GELU's approximation and Flax's `tanh` layers run it) has its output kept for the
+    backward pass rather than computed again: its derivative reads that output, and running it
+    twice costs more than an elementwise sum does. One half-precision value per call; in
+    float32 (autocast's islands) it is computed again from its half input."""
+    floating = [a for a in avals if jnp.issubdtype(getattr(a, "dtype", np.int32), jnp.floating)]
+    return (
+        primitive.name in _TRANSCENDENTAL
+        and bool(floating)
+        and all(a.dtype in _HALF for a in floating)
+    )
+
+
 def names_running_in(runs_in: str) -> frozenset[str]:
     """The names of the primitives whose rule runs in `runs_in` (for lists users write by
     name: autocast's `allow` and `deny`)."""
