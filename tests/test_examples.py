@@ -165,6 +165,7 @@ def _largest_change(new, old) -> float:
     return max(jax.tree.leaves(jax.tree.map(lambda a, b: float(abs(a - b).max()), new, old)))
 
 
+@pytest.mark.slow  # a benchmark's run: .ci/run's slow lane
 def test_benchmark_floor_is_loss_scaling_without_the_check():
     # The floor row claims to be loss_scaling's step minus the gradient check:
     # on a finite step both must compute the same parameters, bit for bit.
@@ -183,6 +184,7 @@ def test_benchmark_floor_is_loss_scaling_without_the_check():
     assert moved > 0
 
 
+@pytest.mark.slow  # a benchmark's run: .ci/run's slow lane
 def test_compile_instruction_count_compiles_each_variant_and_reads_its_dumps(tmp_path, capsys):
     # Without valgrind the child only compiles (the warm-up first); the parent
     # keeps the dumps the child triggered and none other (callgrind's final one).
@@ -215,6 +217,7 @@ def _git_checkout() -> bool:
     return shutil.which("git") is not None and (ROOT / ".git").exists()
 
 
+@pytest.mark.slow  # a benchmark's run: .ci/run's slow lane
 @pytest.mark.skipif(not _git_checkout(), reason="needs git and a git checkout of the project")
 def test_benchmark_against_a_revision_measures_both_loss_scalings():
     # The revision is loaded as a package of its own: its loss_scaling runs,
