@@ -104,8 +104,9 @@ REGION_POLICY = jax.checkpoint_policies.save_only_these_names(RESIDUAL)
 class _KeepingTranscendentals:
     """`REGION_POLICY`, and the outputs of the half-precision transcendental functions
     (`_jaxpr.kept_in_half`), which their derivatives read: in the MLP of
-    benchmarks/bench_memory.py (GELU between its layers) float16 steps took 1.11x of Flax's
-    own `dtype=` model's computing them again, 1.04x keeping them (bfloat16: 0.98x, 0.90x).
+    benchmarks/bench_memory.py (GELU between its layers) the float16 gradient took 1.11x of
+    Flax's own `dtype=` model's computing them again, 1.02-1.04x keeping them (bfloat16:
+    0.99-1.00x, 0.90-0.93x; runs of one day on 2 CPU cores, BENCHMARKS.md).
 
     For a region without a `jax.checkpoint` of the user's only: JAX applies the outermost
     policy to every equation, inside the user's checkpoint too, whose policy decides there
