@@ -325,8 +325,9 @@ def mixed_precision(
     object.__setattr__(model, "_jmp_policy_root", casting_policy(resolved[()]))
     object.__setattr__(model, "_jmp_policy_checked", _Once())
     # The model runs under `autocast.cast_at_use`: the float32 list holds in its own code
-    # (segment sums, exp, log: `_jaxpr.FLOAT32`), and the weights of nnx.ConvTranspose and
-    # other layers without a matmul hook have their gradients made in float32 too.
+    # (segment sums, exp, log: `jmp_policy._core.rules.FLOAT32`), and the weights of
+    # nnx.ConvTranspose and other layers without a matmul hook have their gradients made in
+    # float32 too.
     at_use_program = _AtUse(weights_at_use) if at_use else None
     object.__setattr__(model, "_jmp_policy_at_use", at_use_program)
     model.__class__ = _subclass(type(model), "root")

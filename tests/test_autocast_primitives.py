@@ -25,6 +25,7 @@ import jmp_policy as jmp
 from jmp_policy._autocast.evaluation import _Evaluation, _Rules
 from jmp_policy._autocast.ops import _keeping_half, _quotient_keeping_half
 from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core import rules as _rules
 
 B, K, N = 6, 5, 4  # batch, features in, features out
 
@@ -283,7 +284,7 @@ def test_a_primitive_without_a_rule_runs_as_traced_and_is_reported():
     doubled.def_impl(lambda x: x * 2)
     doubled.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
     mlir.register_lowering(doubled, mlir.lower_fun(lambda x: x * 2, multiple_results=False))
-    assert _jaxpr.rule_of(doubled) is None
+    assert _rules.rule_of(doubled) is None
 
     def f(w, x):
         return doubled.bind(x @ w) @ w

@@ -18,6 +18,7 @@ from jax.extend.core import primitives as jax_primitives
 import jmp_policy as jmp
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import naming as _naming
+from jmp_policy._core import rules as _rules
 from jmp_policy._core.compat import bind_params
 from jmp_policy._reports.census import iter_equations
 
@@ -227,23 +228,23 @@ def test_the_primitives_read_by_name_or_found_inside_a_call_are_what_jax_binds()
 
 
 def test_every_primitive_the_installed_jax_exports_has_one_rule():
-    """What each primitive means is decided once (`_jaxpr.RULES`): a JAX release that adds a
+    """What each primitive means is decided once (`_rules.RULES`): a JAX release that adds a
     primitive fails here until its rule is written."""
     exported = {p for p in vars(jax_primitives).values() if isinstance(p, Primitive)}
     structural = _jaxpr.STRUCTURAL | _jaxpr.CUSTOM_DERIVATIVES
-    missing = sorted(p.name for p in exported - structural if _jaxpr.rule_of(p) is None)
-    assert not missing, f"primitives without a rule in _jaxpr.RULES: {missing}"
-    for rule in {*_jaxpr.RULES.values(), *_jaxpr.RULES_BY_NAME.values()}:
+    missing = sorted(p.name for p in exported - structural if _rules.rule_of(p) is None)
+    assert not missing, f"primitives without a rule in _rules.RULES: {missing}"
+    for rule in {*_rules.RULES.values(), *_rules.RULES_BY_NAME.values()}:
         assert rule.runs_in in (
-            _jaxpr.COMPUTE,
-            _jaxpr.FLOAT32,
-            _jaxpr.NO_HALF_KERNEL,
-            _jaxpr.OPERANDS,
-            _jaxpr.AS_TRACED,
+            _rules.COMPUTE,
+            _rules.FLOAT32,
+            _rules.NO_HALF_KERNEL,
+            _rules.OPERANDS,
+            _rules.AS_TRACED,
         )
     # The lists users read and write by name are the table's.
-    assert jmp.casting.ALLOW == _jaxpr.names_running_in(_jaxpr.COMPUTE) == _jaxpr.matmul_names()
-    assert jmp.casting.DENY == _jaxpr.names_running_in(_jaxpr.FLOAT32)
+    assert jmp.casting.ALLOW == _rules.names_running_in(_rules.COMPUTE) == _jaxpr.matmul_names()
+    assert jmp.casting.DENY == _rules.names_running_in(_rules.FLOAT32)
     assert {"exp", "log", "reduce_sum", "cumsum", "rsqrt"} <= jmp.casting.DENY
     assert {"fft", "svd", "cholesky"} <= jmp.casting.NO_HALF_KERNEL
 
@@ -252,7 +253,7 @@ def test_the_rules_read_by_name_are_for_primitives_jax_binds_and_does_not_export
     """`RULES_BY_NAME` holds primitives the installed JAX binds without exporting them: each
     that a public function reaches is what that function binds."""
     exported = {p.name for p in vars(jax_primitives).values() if isinstance(p, Primitive)}
-    assert not set(_jaxpr.RULES_BY_NAME) & exported
+    assert not set(_rules.RULES_BY_NAME) & exported
     four = jnp.ones(4)
     bound = {
         "split": lambda x: lax.split(x, (2, 2)),
@@ -260,32 +261,32 @@ def test_the_rules_read_by_name_are_for_primitives_jax_binds_and_does_not_export
     }
     for name, fun in bound.items():
         (eqn,) = jax.make_jaxpr(fun)(four).eqns
-        assert eqn.primitive.name == name and _jaxpr.rule_of(eqn) is _jaxpr.RULES_BY_NAME[name]
+        assert eqn.primitive.name == name and _rules.rule_of(eqn) is _rules.RULES_BY_NAME[name]
 
 
 def test_elementwise_means_the_operands_broadcast_to_the_output():
     """`Rule.elementwise` is what lets a rewriter broadcast an operand to the output's shape:
     true of `add` (a literal operand stays 0-d), false of what joins or moves values."""
-    assert _jaxpr.rule_of(jax_primitives.add_p).elementwise
-    assert _jaxpr.rule_of(jax_primitives.div_p).elementwise
+    assert _rules.rule_of(jax_primitives.add_p).elementwise
+    assert _rules.rule_of(jax_primitives.div_p).elementwise
     for p in (jax_primitives.concatenate_p, jax_primitives.scatter_add_p, jax_primitives.pad_p):
-        assert not _jaxpr.rule_of(p).elementwise, p
-    assert _jaxpr.rule_of(jax_primitives.scatter_add_p).reduction
-    assert _jaxpr.rule_of(jax_primitives.reshape_p).layout
-    assert not _jaxpr.rule_of(jax_primitives.slice_p).layout  # it drops values
+        assert not _rules.rule_of(p).elementwise, p
+    assert _rules.rule_of(jax_primitives.scatter_add_p).reduction
+    assert _rules.rule_of(jax_primitives.reshape_p).layout
+    assert not _rules.rule_of(jax_primitives.slice_p).layout  # it drops values
     (eqn,) = jax.make_jaxpr(lambda x: x / 0.9)(X).eqns
     assert eqn.primitive is _jaxpr.DIV and eqn.invars[1].aval.shape == ()
 
 
 def test_only_the_jaxpr_core_decides_by_a_primitive_name():
-    """No library module but the jaxpr core (`_core/jaxpr.py`) writes a primitive's name to
-    decide what it means. The strings kept are not primitives: Flax's layer hooks
-    (`dot_general`), parameter keys (`name`), fp8's `amax_from="max"`, the low-precision
-    `"split"` mode, report row keys."""
+    """No library module but the jaxpr core (`_core/jaxpr.py`, `_core/rules.py`) writes a
+    primitive's name to decide what it means. The strings kept are not primitives: Flax's
+    layer hooks (`dot_general`), parameter keys (`name`), fp8's `amax_from="max"`, the
+    low-precision `"split"` mode, report row keys."""
     import ast
     import pathlib
 
-    names = set(_jaxpr._TABLE_BY_NAME) | {
+    names = set(_rules._TABLE_BY_NAME) | {
         p.name for p in vars(jax_primitives).values() if isinstance(p, Primitive)
     }
     not_primitives = {
@@ -299,7 +300,7 @@ def test_only_the_jaxpr_core_decides_by_a_primitive_name():
     root = pathlib.Path(jmp.__file__).parent
     found = []
     for path in sorted(root.rglob("*.py")):
-        if path.relative_to(root).as_posix() == "_core/jaxpr.py":
+        if path.relative_to(root).as_posix() in ("_core/jaxpr.py", "_core/rules.py"):
             continue
         tree = ast.parse(path.read_text())
         docstrings = {

@@ -23,6 +23,7 @@ from jmp_policy._autocast.evaluation import (
 from jmp_policy._autocast.programs import _eval_closed
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import naming as _naming
+from jmp_policy._core import rules as _rules
 from jmp_policy._core.pytree import is_traced_leaf, nnx_graphdefs, write_back, written_back
 from jmp_policy._fp8.state import Sites
 from jmp_policy.fp8 import DelayedScaling
@@ -155,7 +156,7 @@ class _Autocast:
             sites = None
             if state_tree is not None and recipe is not None:
                 sites = Sites(recipe, jax.tree.unflatten(state_tree, state))
-            keeps = _jaxpr.kept_for_backward if checkpointed else None
+            keeps = _rules.kept_for_backward if checkpointed else None
             ev = _Evaluation(rules, keeps=keeps, sites=sites, transcendentals=transcendentals)
             for weight in flat[:n_weights] if rules.reduce else ():
                 ev.add_weight(weight)

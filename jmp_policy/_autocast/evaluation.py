@@ -16,7 +16,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jmp_policy._autocast.activations import ISLAND, STATISTIC, WEIGHT, kind_of_dtype
-from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core import rules as _rules
 from jmp_policy._fp8.state import Sites
 from jmp_policy.fp8 import float8_format
 from jmp_policy.policy import Policy, casting_policy
@@ -92,7 +92,7 @@ def _widest(dtypes: list) -> Any:
 
 RESIDUAL = "jmp_autocast_residual"
 """The name (`jax.ad_checkpoint.checkpoint_name`) of what an autocast region keeps for the
-backward pass: the outputs of the equations `_jaxpr.kept_for_backward` names (matmuls, ...)
+backward pass: the outputs of the equations `_rules.kept_for_backward` names (matmuls, ...)
 and the half-precision operands of its matmuls. The region is `jax.checkpoint`ed to save
 only these (`REGION_POLICY`), and where it can, the half-precision transcendental functions'
 outputs (`REGION_POLICY_KEEPING_TRANSCENDENTALS`): everything else, its float32 islands first,
@@ -103,7 +103,7 @@ REGION_POLICY = jax.checkpoint_policies.save_only_these_names(RESIDUAL)
 @dataclasses.dataclass(frozen=True)
 class _KeepingTranscendentals:
     """`REGION_POLICY`, and the outputs of the half-precision transcendental functions
-    (`_jaxpr.kept_in_half`), which their derivatives read: in the MLP of
+    (`_rules.kept_in_half`), which their derivatives read: in the MLP of
     benchmarks/bench_memory.py (GELU between its layers) the float16 gradient took 1.11x of
     Flax's own `dtype=` model's computing them again, 1.02-1.04x keeping them (bfloat16:
     0.99-1.00x, 0.90-0.93x; runs of one day on 2 CPU cores, BENCHMARKS.md).
@@ -113,7 +113,7 @@ class _KeepingTranscendentals:
     (`test_the_users_own_checkpoint_inside_autocast_keeps_what_its_policy_saves`)."""
 
     def __call__(self, primitive: Any, *avals: Any, **params: Any) -> bool:
-        return bool(REGION_POLICY(primitive, *avals, **params)) or _jaxpr.kept_in_half(
+        return bool(REGION_POLICY(primitive, *avals, **params)) or _rules.kept_in_half(
             primitive, avals
         )
 
@@ -171,7 +171,7 @@ class _Evaluation:
     JAX traces later reads values by their dtype alone.
 
     `keeps` (None where the region is not `jax.checkpoint`ed: `cast_at_use`, float32):
-    whose outputs are named `RESIDUAL` (`_jaxpr.kept_for_backward`; inside the user's own
+    whose outputs are named `RESIDUAL` (`_rules.kept_for_backward`; inside the user's own
     `jax.checkpoint`, what its policy saves, as `within_checkpoint` says). `transcendentals`:
     the region's policy is `REGION_POLICY_KEEPING_TRANSCENDENTALS`.
     """
@@ -223,7 +223,7 @@ class _Evaluation:
             if (
                 records.transcendentals
                 and records.open
-                and _jaxpr.kept_in_half(eqn.primitive, outs)
+                and _rules.kept_in_half(eqn.primitive, outs)
             ):
                 records.operands.update({id(o): (o, o) for o in outs})
             return outs
@@ -232,7 +232,7 @@ class _Evaluation:
     def kept_value(self, x: Any) -> Any:
         """`x` named `RESIDUAL` where the region chooses what is kept (not inside the
         user's own checkpoint)."""
-        return _named(x) if self.keeps is _jaxpr.kept_for_backward else x
+        return _named(x) if self.keeps is _rules.kept_for_backward else x
 
     def operand(self, x: Any, half: np.dtype) -> Any:
         """`x` as a matmul's operand in `half`: an activation's copy is kept for the backward
@@ -243,7 +243,7 @@ class _Evaluation:
         if found is not None and found.dtype == half:
             return found
         copy = _cast(x, half)
-        own_choice = self.keeps is _jaxpr.kept_for_backward  # not inside the user's checkpoint
+        own_choice = self.keeps is _rules.kept_for_backward  # not inside the user's checkpoint
         if not own_choice or self.kind(x) == WEIGHT:
             return copy
         copy = _named(copy)

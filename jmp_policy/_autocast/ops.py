@@ -27,6 +27,7 @@ from jmp_policy._autocast.evaluation import (
     _is_float,
 )
 from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core import rules as _rules
 from jmp_policy._fp8.state import delayed_dot_general
 from jmp_policy.fp8 import (
     DelayedScaling,
@@ -36,16 +37,16 @@ from jmp_policy.fp8 import (
 )
 from jmp_policy.matmul import mixed
 
-ALLOW = _jaxpr.names_running_in(_jaxpr.COMPUTE)
+ALLOW = _rules.names_running_in(_rules.COMPUTE)
 """Primitives that run in the compute dtype (torch.amp's "lower precision" list): the matmuls
 of `_jaxpr.MATMULS` by their names in the installed JAX (`dot_general`,
 `conv_general_dilated`, and `ragged_dot_general`, what `lax.ragged_dot` binds)."""
 
-DENY = _jaxpr.names_running_in(_jaxpr.FLOAT32)
+DENY = _rules.names_running_in(_rules.FLOAT32)
 """Primitives that run in float32 (torch.amp's "float32" list, as JAX lowers it): exp, log,
-powers and roots, erf, logistic, sums, products and cumulative sums (`_jaxpr.RULES`)."""
+powers and roots, erf, logistic, sums, products and cumulative sums (`_rules.RULES`)."""
 
-NO_HALF_KERNEL = _jaxpr.names_running_in(_jaxpr.NO_HALF_KERNEL)
+NO_HALF_KERNEL = _rules.names_running_in(_rules.NO_HALF_KERNEL)
 """Primitives that always run in float32: linear-algebra decompositions and FFTs have no
 half-precision kernel (XLA and LAPACK have none; `rfft` refuses float16), and torch.amp keeps
 them in float32 too."""
@@ -74,7 +75,7 @@ def _in_float32(ev: _Evaluation, eqn: Any, invals: list, half: np.dtype | None =
         for i, x in enumerate(invals)
         if kinds[i] is not None and on_activations and size > 1 and np.size(x) == size
     ]
-    rule = _jaxpr.rule_of(eqn)
+    rule = _rules.rule_of(eqn)
     if half is None or half == _FLOAT32 or not keep or (rule is not None and rule.linear):
         outs = _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
     elif eqn.primitive is _jaxpr.DIV and keep == [0]:
@@ -257,7 +258,7 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
         return _in_float32(ev, eqn, invals, island_half)
     # Only an elementwise op broadcasts its operands to its output's shape (a concatenation
     # or a scatter does not).
-    rule = _jaxpr.rule_of(eqn)
+    rule = _rules.rule_of(eqn)
     elementwise = rule is not None and rule.elementwise
     shape = eqn.outvars[0].aval.shape if rules.reduce and elementwise else None
     met = [_meeting(ev, x, target, shape) for x in invals]

@@ -39,6 +39,7 @@ from jmp_policy._autocast.ops import (
     _source_context,
 )
 from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core import rules as _rules
 from jmp_policy._reports.census import PrecisionWarning
 from jmp_policy.matmul import mixed
 
@@ -65,7 +66,7 @@ _UNKNOWN_WARNED: set[str] = set()
 
 
 def _unknown(ev: _Evaluation, eqn: Any, invals: list) -> list:
-    """A primitive without a rule (`_jaxpr.rule_of`): it runs as traced, and the user is told
+    """A primitive without a rule (`_rules.rule_of`): it runs as traced, and the user is told
     once, so the float32 it may run in is never silent."""
     name = eqn.primitive.name
     if name not in _UNKNOWN_WARNED:
@@ -99,14 +100,14 @@ def _eval_equation(ev: _Evaluation, eqn: Any, invals: list) -> list:
     floating = [i for i, x in enumerate(invals) if _is_float(x)]
     if not floating:
         return _bind(eqn, invals)
-    rule = _jaxpr.rule_of(eqn)
+    rule = _rules.rule_of(eqn)
     if rule is None:
         if name in rules.allow or name in rules.deny:  # the user's lists decide
             return _eval_by_rules(ev, eqn, invals, floating)
         return _unknown(ev, eqn, invals)
-    if rule.runs_in == _jaxpr.NO_HALF_KERNEL:
+    if rule.runs_in == _rules.NO_HALF_KERNEL:
         return _in_float32(ev, eqn, invals)
-    if rule.runs_in == _jaxpr.AS_TRACED:
+    if rule.runs_in == _rules.AS_TRACED:
         return _as_traced(ev, eqn, invals)
     return _eval_by_rules(ev, eqn, invals, floating)
 
@@ -121,7 +122,7 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
       float32 (a 16-bit activation broadcast over size-1 axes too).
     Either way the forward values are the same, and the gradient is summed across devices
     in float32."""
-    rule = _jaxpr.rule_of(eqn)
+    rule = _rules.rule_of(eqn)
     # A weight's cast moved (reshaped, or its rows gathered: an embedding): the float32
     # weight moved, then cast.
     moves = rule is not None and (rule.layout or rule.adds_in_transpose)
@@ -166,7 +167,7 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
                 out = mixed(op, compute, preferred if wider else None, lhs, rhs)
             return [_cast(out, eqn.outvars[0].aval.dtype)]
     half = _half_among(invals)
-    if half is not None and rule is not None and rule.runs_in == _jaxpr.FLOAT32:
+    if half is not None and rule is not None and rule.runs_in == _rules.FLOAT32:
         # The float32 list, in the model's own code too (a segment sum, exp, log, a
         # cumulative sum): computed in float32 (a weight's cast from its float32 weight),
         # handed back in the dtype it was traced with.

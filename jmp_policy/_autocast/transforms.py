@@ -228,11 +228,11 @@ def cast_at_use(fun: Callable, *, weights_in_float32: bool = True) -> Callable:
     into `cond` branches or `while` loops.
 
     The float32 list applies to the program's own operations as autocast's does: an
-    operation on the list (`_jaxpr.FLOAT32`: a segment sum or other scatter-add, exp, log,
-    powers, a cumulative sum) computes in float32 from 16-bit operands and hands its result
-    back in the dtype it was traced with; a gather of 16-bit values adds its backward pass
-    (a scatter-add) in float32. `weights_in_float32=False` (a policy's `reduce_dtype=None`):
-    only that; the weights' casts are left as they are."""
+    operation on the list (`jmp_policy._core.rules.FLOAT32`: a segment sum or other
+    scatter-add, exp, log, powers, a cumulative sum) computes in float32 from 16-bit operands
+    and hands its result back in the dtype it was traced with; a gather of 16-bit values adds
+    its backward pass (a scatter-add) in float32. `weights_in_float32=False` (a policy's
+    `reduce_dtype=None`): only that; the weights' casts are left as they are."""
     rules = _Rules(
         _FLOAT32, _FLOAT32, frozenset(), frozenset(), reduce=weights_in_float32, at_use=True
     )
