@@ -92,11 +92,12 @@ def _widest(dtypes: list) -> Any:
 
 RESIDUAL = "jmp_autocast_residual"
 """The name (`jax.ad_checkpoint.checkpoint_name`) of what an autocast region keeps for the
-backward pass: the outputs of the equations `_rules.kept_for_backward` names (matmuls, ...)
-and the half-precision operands of its matmuls. The region is `jax.checkpoint`ed to save
-only these (`REGION_POLICY`), and where it can, the half-precision transcendental functions'
-outputs (`REGION_POLICY_KEEPING_TRANSCENDENTALS`): everything else, its float32 islands first,
-is computed again from them in the backward pass, so no island keeps a float32 activation."""
+backward pass: the outputs of the equations `_rules.kept_for_backward` names (matmuls, ...),
+the half-precision operands of its matmuls and the half-precision inputs of its float32
+islands (`_Evaluation.island_input`). The region is `jax.checkpoint`ed to save only these
+(`REGION_POLICY`), and where it can, the half-precision transcendental functions' outputs
+(`REGION_POLICY_KEEPING_TRANSCENDENTALS`): everything else, its float32 islands first, is
+computed again from them in the backward pass, so no island keeps a float32 activation."""
 REGION_POLICY = jax.checkpoint_policies.save_only_these_names(RESIDUAL)
 
 
@@ -233,6 +234,29 @@ class _Evaluation:
         """`x` named `RESIDUAL` where the region chooses what is kept (not inside the
         user's own checkpoint)."""
         return _named(x) if self.keeps is _rules.kept_for_backward else x
+
+    def island_input(self, x: Any) -> Any:
+        """`x`, a full-size 16-bit operand of a float32 island, named `RESIDUAL` once where
+        the region chooses what is kept: the island is computed again from it in the
+        backward pass, and nothing before it is computed again to make it (an island or a
+        matmul that reads `x` later takes the same copy). Not kept, a layer norm's input
+        was made again there from the whole residual stream before it: the float16 Equinox
+        example's gradient took 1.22x of MPX's, 0.90-0.94x keeping it (XLA:CPU, BENCHMARKS.md).
+
+        The half-precision ops reading `x` read it as it was, not the kept copy: with every
+        reader taking the copy, the same example took 1.37x (JAX's checkpoint puts a
+        `reduce_precision` on each kept value the forward pass reads: 44 such XLA:CPU
+        fusions against 28). So the MLP keeps a matmul's output and its biased sum both
+        (0.35x of float32's residuals, not 0.27x)."""
+        if self.keeps is not _rules.kept_for_backward or jnp.finfo(x.dtype).bits != 16:
+            return x
+        found = self._found(self._records.operands, x)
+        if found is not None and found.dtype == x.dtype:
+            return found
+        copy = _named(x)
+        if self._records.open:
+            self._records.operands[id(x)] = (x, copy)
+        return copy
 
     def operand(self, x: Any, half: np.dtype) -> Any:
         """`x` as a matmul's operand in `half`: an activation's copy is kept for the backward

@@ -75,6 +75,9 @@ def _in_float32(ev: _Evaluation, eqn: Any, invals: list, half: np.dtype | None =
         for i, x in enumerate(invals)
         if kinds[i] is not None and on_activations and size > 1 and np.size(x) == size
     ]
+    # Under the region's checkpoint the island is computed again from its half-precision
+    # input, which is kept (once), not made again from what came before it.
+    invals = [ev.island_input(x) if i in keep else x for i, x in enumerate(invals)]
     rule = _rules.rule_of(eqn)
     if half is None or half == _FLOAT32 or not keep or (rule is not None and rule.linear):
         outs = _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
