@@ -236,27 +236,22 @@ class _Evaluation:
         return _named(x) if self.keeps is _rules.kept_for_backward else x
 
     def island_input(self, x: Any) -> Any:
-        """`x`, a full-size 16-bit operand of a float32 island, named `RESIDUAL` once where
-        the region chooses what is kept: the island is computed again from it in the
-        backward pass, and nothing before it is computed again to make it (an island or a
-        matmul that reads `x` later takes the same copy). Not kept, a layer norm's input
-        was made again there from the whole residual stream before it: the float16 Equinox
-        example's gradient took 1.22x of MPX's, 0.90-0.94x keeping it (XLA:CPU, BENCHMARKS.md).
+        """`x`, a full-size 16-bit operand of a float32 island, kept as a matmul's operand is
+        (`operand`: named `RESIDUAL` once where the region chooses what is kept, a weight's
+        copy cast again instead): the island is computed again from it in the backward pass,
+        and nothing before it is computed again to make it (an island or a matmul that reads
+        `x` later takes the same copy). Not kept, a layer norm's input was made again there
+        from the whole residual stream before it: the float16 Equinox example's gradient took
+        1.22x of MPX's, 0.90-0.94x keeping it (XLA:CPU, BENCHMARKS.md).
 
         The half-precision ops reading `x` read it as it was, not the kept copy: with every
         reader taking the copy, the same example took 1.37x (JAX's checkpoint puts a
         `reduce_precision` on each kept value the forward pass reads: 44 such XLA:CPU
         fusions against 28). So the MLP keeps a matmul's output and its biased sum both
         (0.35x of float32's residuals, not 0.27x)."""
-        if self.keeps is not _rules.kept_for_backward or jnp.finfo(x.dtype).bits != 16:
+        if jnp.finfo(x.dtype).bits != 16:
             return x
-        found = self._found(self._records.operands, x)
-        if found is not None and found.dtype == x.dtype:
-            return found
-        copy = _named(x)
-        if self._records.open:
-            self._records.operands[id(x)] = (x, copy)
-        return copy
+        return self.operand(x, x.dtype)  # the one copy a matmul would keep of it
 
     def operand(self, x: Any, half: np.dtype) -> Any:
         """`x` as a matmul's operand in `half`: an activation's copy is kept for the backward
