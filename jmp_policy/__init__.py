@@ -63,8 +63,9 @@ from jmp_policy._loss_scaling.loss_scale import (
     StaticLossScale,
     select_tree,
 )
-from jmp_policy._loss_scaling.optimizer import get_loss_scale, loss_scaling, unless_skipped
+from jmp_policy._loss_scaling.optimizer import loss_scaling
 from jmp_policy._loss_scaling.scaled_grad import value_and_scaled_grad
+from jmp_policy._loss_scaling.state import get_loss_scale, unless_skipped
 from jmp_policy._reports.census import precision_report
 from jmp_policy._reports.debugger import debug_precision
 from jmp_policy.autocast import autocast, full_precision  # the module first, then the function

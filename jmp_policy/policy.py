@@ -75,18 +75,44 @@ def half_dtype() -> np.dtype:
     return np.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
 
 
+# The floating dtypes JAX computes in (NumPy's float128 is not one), and the 8- and 4-bit
+# formats this JAX knows (ml_dtypes), named as NumPy names them.
+_JAX_FLOATS = frozenset(
+    np.dtype(getattr(jnp, name))
+    for name in (
+        "float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+        "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e4m3",
+        "float8_e3m4", "float8_e8m0fnu", "float4_e2m1fn",
+    )
+    if hasattr(jnp, name)
+)  # fmt: skip
+
+
 def normalise_dtype(value: Any, argument: str) -> np.dtype:
+    """`value` as a NumPy dtype: one of JAX's floating dtypes, given as a dtype, a type or a
+    name (jmp's short names too: "f16", "bf16", "f32", "half"). None is refused, not read as
+    float64 as NumPy reads it."""
+    accepted = "float16, bfloat16, float32, float64 or a float8 dtype"
+    if value is None:
+        raise TypeError(f"Expected a floating dtype ({accepted}) for `{argument}`, got None.")
+    if isinstance(value, str) and value.strip() in ("half", *_DTYPE_ALIASES):
+        value = value.strip()
+        return half_dtype() if value == "half" else np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
     try:
         dtype = jnp.dtype(value)
     except TypeError as e:
         raise TypeError(
-            f"Expected a floating dtype (float16, bfloat16, float32, float64) for "
-            f"`{argument}`, got {value!r}."
+            f"Expected a floating dtype ({accepted}) for `{argument}`, got {value!r}."
         ) from e
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
-            f"Expected a floating dtype (float16, bfloat16, float32, float64) for "
-            f"`{argument}`, got {dtype.name}: a policy only ever casts floating values."
+            f"Expected a floating dtype ({accepted}) for `{argument}`, got {dtype.name}: a "
+            "policy only ever casts floating values."
+        )
+    if dtype not in _JAX_FLOATS:
+        raise TypeError(
+            f"Expected a floating dtype JAX computes in ({accepted}) for `{argument}`, got "
+            f"{dtype.name} (NumPy's, which JAX does not support)."
         )
     return dtype
 
@@ -245,7 +271,7 @@ def _parse_dtype(value: str, policy_name: str) -> np.dtype:
         dtype = jnp.dtype(value)
     except TypeError:
         dtype = None
-    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+    if dtype in _JAX_FLOATS:
         return dtype
     accepted = ", ".join(["half", *_DTYPE_ALIASES])
     raise ValueError(

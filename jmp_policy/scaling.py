@@ -6,7 +6,8 @@ The top level holds what a train step calls (`jmp_policy.loss_scaling`,
 loss scales); here is what a user reads or configures beside it:
 
 - `LossScalingState` (the optimizer state), `find_loss_scaling_state` (it, wherever it sits),
-  `LeafFlags` (which gradients held inf/NaN), `SKIP_CAUSES`;
+  `LeafFlags` (which gradients held inf/NaN), `SKIP_CAUSES` and `SkipCause` (why a step was
+  skipped), `SkipRecords` (the records' part of the state);
 - `SkipSpikes`, `SpikeStats`: skipping steps whose loss or gradient norm spikes;
 - `LossScalingReport` (what `loss_scaling_report` returns; its `GradientStats` with
   `loss_scaling(..., stats_every=N)`), `check_loss_scaling` (raises
@@ -15,14 +16,10 @@ loss scales); here is what a user reads or configures beside it:
 
 from jmp_policy._loss_scaling.diagnostics import LossScalingReport, check_loss_scaling
 from jmp_policy._loss_scaling.gradient_stats import GradientStats
-from jmp_policy._loss_scaling.optimizer import (
-    SKIP_CAUSES,
-    LeafFlags,
-    LossScalingState,
-    SkipSpikes,
-    SpikeStats,
-    find_loss_scaling_state,
-)
+from jmp_policy._loss_scaling.leaf_flags import LeafFlags
+from jmp_policy._loss_scaling.records import SKIP_CAUSES, SkipCause, SkipRecords
+from jmp_policy._loss_scaling.spikes import SkipSpikes, SpikeStats
+from jmp_policy._loss_scaling.state import LossScalingState, find_loss_scaling_state
 
 __all__ = [
     "SKIP_CAUSES",
@@ -30,6 +27,8 @@ __all__ = [
     "LeafFlags",
     "LossScalingReport",
     "LossScalingState",
+    "SkipCause",
+    "SkipRecords",
     "SkipSpikes",
     "SpikeStats",
     "check_loss_scaling",

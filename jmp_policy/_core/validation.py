@@ -7,7 +7,6 @@ so an array given by a user never waits on the device.
 
 from __future__ import annotations
 
-import math
 import numbers
 import sys
 import warnings
@@ -18,8 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
+# What a float32 scalar can hold: a configuration number outside this range becomes inf or 0
+# (a loss scale of 1e40 is inf in float32, one of 1e-46 is 0).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+INT32_MAX = int(np.iinfo(np.int32).max)
+
 
 def positive_number(value: Any, argument: str, *, allow_zero: bool = False) -> float:
+    """`value` as a Python float, checked: a real number > 0 (>= 0 with `allow_zero`) that a
+    float32 holds as a normal number (from 1.18e-38 to 3.40e+38), since every scale and
+    factor is applied in float32."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(
         value, (numbers.Real, np.ndarray, np.generic, jax.Array)
     ):
@@ -37,10 +45,12 @@ def positive_number(value: Any, argument: str, *, allow_zero: bool = False) -> f
             f"Expected a Python number or a floating scalar for `{argument}`, got dtype {dtype}."
         )
     number = float(value)
-    low_ok = number >= 0 if allow_zero else number > 0
-    if not (low_ok and math.isfinite(number)):
+    if not (FLOAT32_TINY <= number <= FLOAT32_MAX or (allow_zero and number == 0)):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"Expected a finite number {bound} for `{argument}`, got {number}.")
+        raise ValueError(
+            f"Expected a finite number {bound} for `{argument}` that float32 holds (from "
+            f"{FLOAT32_TINY:.3g} to {FLOAT32_MAX:.3g}), got {number:g}."
+        )
     return number
 
 
@@ -48,9 +58,10 @@ def scale_leaf(value: Any, argument: str) -> Any:
     """Checks and converts a loss-scale leaf to float32.
 
     Only Python and NumPy values are checked by value and shape; JAX arrays
-    (a user's `jnp.asarray(2.0**15)`, a tracer inside `vmap` of `init`) are
-    checked by dtype alone, which never waits on the device and lets a state
-    be built batched or stacked.
+    (a user's `jnp.asarray(2.0**15)`, a tracer inside `vmap` of `init`) and
+    `jax.ShapeDtypeStruct`s (an abstract state) are checked by dtype alone,
+    which never waits on the device and lets a state be built batched or
+    stacked. Anything else (a string, None, a list) is refused.
     """
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"Expected a positive float for `{argument}`, got {value!r}.")
@@ -65,27 +76,40 @@ def scale_leaf(value: Any, argument: str) -> Any:
         # A JAX array from the start: a jitted step then sees the same argument
         # types on its first and later calls, and compiles once.
         return jnp.asarray(number, jnp.float32)
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not hasattr(value, "shape"):
-        return value  # e.g. `jax.ShapeDtypeStruct` for an abstract state
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if not isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
+        raise TypeError(
+            f"Expected a positive number (e.g. 2.0**15) or a float32 array for `{argument}`, "
+            f"got {value!r}."
+        )
+    if not jnp.issubdtype(value.dtype, jnp.floating):
         raise TypeError(
             f"Expected a floating array (float32) or a Python number for `{argument}`, "
-            f"got an array of dtype {dtype}. Python numbers are converted for you."
+            f"got an array of dtype {value.dtype}. Python numbers are converted for you."
         )
-    if isinstance(value, jax.Array) and dtype != jnp.float32:
+    if isinstance(value, jax.Array) and value.dtype != jnp.float32:
         return value.astype(jnp.float32)
     return value
 
 
 def int_leaf(value: Any, argument: str) -> Any:
-    if isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, bool):
+    """Checks and converts a counter leaf to int32: a Python or NumPy integer from 0 to
+    2**31 - 1, or a JAX integer array or `jax.ShapeDtypeStruct` (checked by dtype alone, as
+    `scale_leaf` checks its arrays). None passes (an optional leaf that is off)."""
+    if value is None:
+        return None
+    if isinstance(value, (numbers.Integral, np.integer)) and not isinstance(
+        value, (bool, np.bool_)
+    ):
+        if not 0 <= int(value) <= INT32_MAX:
+            raise ValueError(
+                f"Expected an integer from 0 to 2**31 - 1 (an int32 counter) for `{argument}`, "
+                f"got {value}."
+            )
         return jnp.asarray(value, jnp.int32)
-    if isinstance(value, (bool, numbers.Real)):
+    if not isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
         raise TypeError(f"Expected an integer for `{argument}`, got {value!r}.")
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"Expected an int32 scalar for `{argument}`, got dtype {dtype}.")
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"Expected an int32 scalar for `{argument}`, got dtype {value.dtype}.")
     return value
 
 
@@ -102,15 +126,27 @@ def check_flag(grads_finite: Any, argument: str = "grads_finite") -> jax.Array:
     return grads_finite
 
 
-def whole_number(value: Any, argument: str, *, low: int) -> int:
+def whole_number(value: Any, argument: str, *, low: int, high: int = INT32_MAX) -> int:
+    """`value` as a Python int from `low` to `high` (by default what an int32 counter compared
+    with it can reach)."""
     integral = isinstance(value, (numbers.Integral, np.integer)) or (
         isinstance(value, float) and value.is_integer()
     )
-    if isinstance(value, bool) or not integral:
+    if isinstance(value, (bool, np.bool_)) or not integral:
         raise TypeError(f"Expected an integer >= {low} for `{argument}`, got {value!r}.")
-    if int(value) < low:
-        raise ValueError(f"Expected an integer >= {low} for `{argument}`, got {value}.")
+    if not low <= int(value) <= high:
+        top = "2**31 - 1" if high == INT32_MAX else str(high)
+        raise ValueError(
+            f"Expected an integer >= {low} for `{argument}` (and <= {top}), got {value}."
+        )
     return int(value)
+
+
+def check_bool(value: Any, argument: str) -> bool:
+    """`value` as a Python bool: True or False (a NumPy bool too), never a truthy string."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"Expected True or False for `{argument}`, got {value!r}.")
+    return bool(value)
 
 
 # Where library code lives, not the user's: frames in these folders (and Python's own) are

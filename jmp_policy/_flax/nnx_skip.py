@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from flax import nnx
 
 from jmp_policy._core.compat import set_variable_value, variable_value
-from jmp_policy._loss_scaling.optimizer import find_loss_scaling_state, unless_skipped
+from jmp_policy._loss_scaling.state import find_loss_scaling_state, unless_skipped
 
 
 @contextlib.contextmanager

@@ -17,13 +17,13 @@ T = TypeVar("T")
 
 def _register(serialization: ModuleType) -> None:
     from jmp_policy._core.pytree import leaf_names
+    from jmp_policy._loss_scaling.leaf_flags import LeafFlags
     from jmp_policy._loss_scaling.loss_scale import (
         DynamicLossScale,
         NoOpLossScale,
         StaticLossScale,
         rebuild,
     )
-    from jmp_policy._loss_scaling.optimizer import LeafFlags
     from jmp_policy._reports.debugger import PrecisionStats
     from jmp_policy.fp8 import Fp8DotState, Fp8Meta
 

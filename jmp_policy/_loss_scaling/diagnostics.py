@@ -20,8 +20,10 @@ from jmp_policy._core.validation import MANY_SPIKES, warn_once_per_mistake
 from jmp_policy._loss_scaling.gradient_stats import (
     GradientStats as GradientStats,  # its public home
 )
+from jmp_policy._loss_scaling.leaf_flags import host_value
 from jmp_policy._loss_scaling.loss_scale import DynamicLossScale
-from jmp_policy._loss_scaling.optimizer import SKIP_CAUSES, find_loss_scaling_state, host_value
+from jmp_policy._loss_scaling.records import SKIP_CAUSES
+from jmp_policy._loss_scaling.state import find_loss_scaling_state
 from jmp_policy._reports.census import PrecisionWarning
 from jmp_policy.errors import NonFiniteLossError as NonFiniteLossError  # importable here too
 

@@ -1,13 +1,18 @@
-"""Per-leaf statistics of the scaled gradients inside a jitted step (`loss_scaling(...,
-stats_every=N)`), read by `jmp_policy._loss_scaling.diagnostics`."""
+"""Per-leaf statistics of the scaled gradients inside a jitted step (a `Part` of
+`loss_scaling`, on with `stats_every=N`), read by `jmp_policy._loss_scaling.diagnostics`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.typing import DTypeLike
+
+from jmp_policy._loss_scaling.parts import Part, Step
 
 
 class GradientStats(NamedTuple):
@@ -74,3 +79,26 @@ def gradient_stats(grads: Any, dtype: DTypeLike, step: jax.Array) -> GradientSta
         overflow=overflow,
         largest=jnp.asarray(largest, jnp.float32),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Statistics(Part):
+    """The statistics part of `loss_scaling`: `GradientStats` of the scaled gradients against
+    `dtype`, collected every `every` steps under a `cond` (other steps do no extra work)."""
+
+    state_type = GradientStats
+    every: int
+    dtype: np.dtype
+
+    def init(self, params: Any) -> GradientStats:
+        return empty_gradient_stats(len(jax.tree.leaves(params)), self.dtype)
+
+    def record(
+        self, state: GradientStats, step: Step, applied: jax.Array, cause: jax.Array
+    ) -> GradientStats:
+        del applied, cause
+        return lax.cond(
+            step.count % self.every == 0,
+            lambda: gradient_stats(step.scaled, self.dtype, step.count),
+            lambda: state,
+        )

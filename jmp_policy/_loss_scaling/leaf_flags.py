@@ -11,11 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._core.pytree import register_state
-from jmp_policy._loss_scaling.misuse import (
-    LossScalingWarning as LossScalingWarning,  # exported here
-)
-from jmp_policy._loss_scaling.spikes import SKIP_CAUSES as SKIP_CAUSES  # exported here
-from jmp_policy._loss_scaling.spikes import SkipSpikes as SkipSpikes
 
 
 def host_value(x: Any) -> np.ndarray:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any, TypeVar, cast
 
 import jax
@@ -26,6 +27,7 @@ from jax.typing import ArrayLike
 
 from jmp_policy._core.pytree import leaf_names, new_unchecked, register_state
 from jmp_policy._core.validation import (
+    check_bool,
     check_flag,
     int_leaf,
     positive_number,
@@ -47,14 +49,33 @@ def _at_least_float32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
 
 
+def _scaled_leaf(x: Any) -> Any:
+    """`x` as the array a scale applies to (in at least float32), or None where it applies to
+    nothing. Floating arrays, and Python numbers as jmp scales them (a loss of `2.0` scaled by
+    1024 is 2048.0); integer and bool arrays, bools, keys and objects pass through."""
+    if is_floating_array(x):
+        return _at_least_float32(x)
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return jnp.asarray(x, jnp.float32)
+    return None
+
+
 def _scale_floating(tree: T, scale: ArrayLike) -> T:
-    return jax.tree.map(lambda x: _at_least_float32(x) * scale if is_floating_array(x) else x, tree)
+    def scale_leaf(x):
+        y = _scaled_leaf(x)
+        return x if y is None else y * scale
+
+    return jax.tree.map(scale_leaf, tree)
 
 
 def _unscale_floating(tree: T, scale: ArrayLike) -> T:
     # Division rather than multiplication by 1/S: exactly rounded, and 1/S can
     # be a denormal that CPUs flush to zero.
-    return jax.tree.map(lambda x: _at_least_float32(x) / scale if is_floating_array(x) else x, tree)
+    def unscale_leaf(x):
+        y = _scaled_leaf(x)
+        return x if y is None else y / scale
+
+    return jax.tree.map(unscale_leaf, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +214,7 @@ class DynamicLossScale:
 
     def __post_init__(self):
         setattr_ = functools.partial(object.__setattr__, self)
+        initial = self.loss_scale  # a Python or NumPy number is checked against the limits
         setattr_("loss_scale", scale_leaf(self.loss_scale, "loss_scale"))
         setattr_("counter", int_leaf(self.counter, "counter"))
         setattr_("period", whole_number(self.period, "period", low=1))
@@ -216,10 +238,25 @@ class DynamicLossScale:
                 f"Expected `min_loss_scale` <= `max_loss_scale`, got {self.min_loss_scale} > {cap}."
             )
         setattr_("max_loss_scale", cap)
+        if isinstance(initial, (numbers.Real, np.ndarray, np.generic)) and not (
+            self.min_loss_scale <= float(initial) <= cap
+        ):
+            # A scale outside its limits leaves them at its first adjust: a back-off would
+            # raise it to the floor, a growth step cut it to the cap.
+            raise ValueError(
+                f"Expected `min_loss_scale` <= `loss_scale` <= `max_loss_scale`, got "
+                f"{self.min_loss_scale!r} <= {float(initial)!r} <= {cap!r}. Lower "
+                "`min_loss_scale` (e.g. min_loss_scale=1.0 / 2**10) or raise `max_loss_scale`."
+            )
         setattr_("hysteresis", whole_number(self.hysteresis, "hysteresis", low=1))
-        if not isinstance(self.warmup, (bool, np.bool_)):
-            raise TypeError(f"Expected True or False for `warmup`, got {self.warmup!r}.")
-        setattr_("warmup", bool(self.warmup))
+        setattr_("warmup", check_bool(self.warmup, "warmup"))
+        if self.warming_up is not None and not (
+            isinstance(self.warming_up, (bool, np.bool_))
+            or getattr(self.warming_up, "dtype", None) == jnp.bool_
+        ):
+            raise TypeError(
+                f"Expected True, False or a bool array for `warming_up`, got {self.warming_up!r}."
+            )
         # Optional leaves exist only when their feature is on, so the default
         # state has exactly jmp's leaves (loss_scale, counter). A value given
         # for them is kept (checked, if it is a number).

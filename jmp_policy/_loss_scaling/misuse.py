@@ -18,9 +18,7 @@ from jmp_policy._core.validation import (
     warn_at_user_line,
     warn_once_per_mistake,
 )
-from jmp_policy._loss_scaling.loss_scale import (
-    LossScale,
-)
+from jmp_policy._loss_scaling.loss_scale import LossScale, NoOpLossScale
 from jmp_policy.errors import LossScalingWarning as LossScalingWarning  # importable here too
 
 WITHOUT_SCALE = "computed without the scale"
@@ -177,3 +175,20 @@ def _warn_if_half_master_weights(params: Any, inner_state: Any, where: str = "in
                 UserWarning,
             )
             return
+
+
+def check_misuse(grads: Any, params: Any, state: Any) -> None:
+    """The misuse part of `loss_scaling`'s `update`, said while the step traces: half-precision
+    master weights, and gradients of the plain loss (computed without the scale in this step,
+    or arrived from another function while no scale was read)."""
+    if params is not None:
+        _warn_if_half_master_weights(params, state.inner_state, where="update")
+    if isinstance(state.loss_scale, NoOpLossScale):  # nothing to scale with
+        return
+    origin = gradient_origin(grads, params, state.loss_scale)
+    if origin == WITHOUT_SCALE:
+        _warn_if_gradients_unscaled(state.loss_scale)
+    elif origin == ARRIVED:
+        warn_at_first_run_if_arrived_unscaled(
+            state, (state.applied_steps == 0) & (state.skipped_steps == 0)
+        )

@@ -1,16 +1,15 @@
 """`loss_scaling`: the loss-scaled, skip-on-overflow step as one optax transform.
 
-The order of a step is torch.amp's: the caller scales the loss by S and
-differentiates; `update` unscales the gradients with that same S, checks them,
-runs the inner optimizer only when they are finite (else returns zero updates
-and leaves the inner state exactly as it was), and only then adjusts S.
+The core, in torch.amp's order: the caller scales the loss by S and differentiates; `update`
+unscales the gradients with that same S, checks them, runs the inner optimizer only when they
+are finite (else returns zero updates and leaves the inner state exactly as it was), and only
+then adjusts S. The rest are parts composed around it (`parts`): the skip records, gradient
+statistics, spike skipping, float8 states and the misuse check, each in its own file.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,42 +17,15 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
-from jmp_policy._core.pytree import find_states as find_states  # exported here
-from jmp_policy._core.validation import whole_number
-from jmp_policy._fp8.state import split_states, without_states, written
+from jmp_policy._loss_scaling.checks import check_arguments, check_given, check_params
 from jmp_policy._loss_scaling.finite import agree, unscaled_leaf_finite
-from jmp_policy._loss_scaling.gradient_stats import empty_gradient_stats, gradient_stats
-from jmp_policy._loss_scaling.leaf_flags import LeafFlags as LeafFlags  # exported here
-from jmp_policy._loss_scaling.leaf_flags import host_value as host_value
-from jmp_policy._loss_scaling.loss_scale import (
-    LossScale,
-    NoOpLossScale,
-)
-from jmp_policy._loss_scaling.misuse import (
-    ARRIVED,
-    WITHOUT_SCALE,
-    _warn_if_gradients_unscaled,
-    _warn_if_half_master_weights,
-    gradient_origin,
-    warn_at_first_run_if_arrived_unscaled,
-)
-from jmp_policy._loss_scaling.misuse import (
-    LossScalingWarning as LossScalingWarning,  # exported here
-)
-from jmp_policy._loss_scaling.spikes import SKIP_CAUSES as SKIP_CAUSES  # exported here
-from jmp_policy._loss_scaling.spikes import SkipSpikes as SkipSpikes
-from jmp_policy._loss_scaling.spikes import SpikeStats, _judge_spike
-from jmp_policy._loss_scaling.state import _LOSS_SCALES, _check_state
-from jmp_policy._loss_scaling.state import LossScalingState as LossScalingState  # exported here
-from jmp_policy._loss_scaling.state import find_loss_scaling_state as find_loss_scaling_state
-from jmp_policy._loss_scaling.state import get_loss_scale as get_loss_scale
-from jmp_policy._loss_scaling.state import unless_skipped as unless_skipped
-
-
-def _copy_leaves(tree: Any) -> Any:
-    # A fresh buffer for every array leaf, so donating this state never deletes
-    # arrays the caller still holds (e.g. one loss scale passed to two inits).
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+from jmp_policy._loss_scaling.fp8_states import init_without_states, update_writing_states
+from jmp_policy._loss_scaling.loss_scale import LossScale
+from jmp_policy._loss_scaling.misuse import _warn_if_half_master_weights, check_misuse
+from jmp_policy._loss_scaling.parts import Step
+from jmp_policy._loss_scaling.records import SkipCause
+from jmp_policy._loss_scaling.spikes import SkipSpikes
+from jmp_policy._loss_scaling.state import LossScalingState
 
 
 def loss_scaling(
@@ -67,61 +39,39 @@ def loss_scaling(
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` so it consumes gradients of a loss scaled by `loss_scale`.
 
-    `update(scaled_grads, state, params=None, **extra)` takes the gradients of
-    the *scaled* loss (`get_loss_scale(state).scale(loss)`), divides them by
-    that scale in float32, and checks them for inf/NaN:
+    `update(scaled_grads, state, params=None, value=None, **extra)` takes the gradients of the
+    *scaled* loss (`get_loss_scale(state).scale(loss)`), divides them by that scale in float32
+    and checks them for inf/NaN. Finite: runs `inner.update` on the unscaled gradients. Not
+    finite: returns zero updates (negative zeros, so `p + u` is `p` bit for bit), leaves the
+    inner state exactly as it was, and counts the skip. Then the scale is adjusted (grown or
+    backed off); the scale used for unscaling is always the one the loss was scaled with.
 
-    - finite: runs `inner.update` on the unscaled gradients and returns its
-      updates;
-    - not finite: returns zero updates (negative zeros, so `p + u` is `p` bit
-      for bit) and leaves the inner state exactly as it was (Adam's count and
-      moments, schedules), and counts the skip.
-
-    Then the loss scale is adjusted (grown or backed off). The scale used for
-    unscaling is always the one the loss was scaled with.
-
-    Given the loss too, `update(scaled_grads, state, params, value=loss)` (the way
-    optax passes it to transforms that need it; `nnx.Optimizer.update(model, grads,
-    value=loss)` passes it on), a step whose loss is inf or NaN is skipped as well,
-    and the scale is left as it was: no scale cures a non-finite loss (an inf in
-    the batch, a NaN target, a forward overflow), and backing off would drive it
-    toward its floor. The state counts skips by cause (`SKIP_CAUSES`) and
-    `loss_scaling_report` says each one's fix. The loss goes on to `inner` as
-    `value` (`optax.contrib.reduce_on_plateau` takes it).
-
-    The check is exact and reads the scaled gradients once: every leaf's
-    largest magnitude (one reduction per distinct leaf shape), divided by the
-    scale. Dividing by S > 0 keeps the order of the values, so a leaf's
-    unscaled values are finite exactly when its unscaled maximum is. The
-    inner update runs under a `lax.cond`, so a skipped step does no optimizer
-    work.
+    Given the loss (`value=loss`, as optax passes it; `nnx.Optimizer.update(model, grads,
+    value=loss)` passes it on), a step whose loss is inf or NaN is skipped too, and the scale
+    is left as it was: no scale cures a non-finite loss. The state counts skips by cause
+    (`SKIP_CAUSES`); `loss_scaling_report` says each one's fix. The check is exact and reads
+    the scaled gradients once (every leaf's largest magnitude, divided by the scale); the
+    inner update runs under a `lax.cond`, so a skipped step does no optimizer work.
 
     Args:
-      inner: the optimizer (any optax transform, including `optax.chain`,
-        `optax.MultiSteps` and `optax.inject_hyperparams`).
-      loss_scale: the initial `NoOpLossScale`, `StaticLossScale` or
-        `DynamicLossScale`.
-      axis_name: a mapped axis name (or tuple) of `pmap`/`shard_map`, so every
-        device takes the same skip decision. Not needed under SPMD `jit`.
-      stats_every: opt-in precision statistics: every `stats_every` steps, record
-        per gradient leaf the largest and smallest magnitudes and the fractions
-        that underflow or overflow `stats_dtype` (`GradientStats`, in the state;
-        `loss_scaling_report` reads them). Collected inside the step, under a
-        `cond`, so there is no host sync and other steps do no extra work. None
-        (the default): nothing is collected and the step is unchanged.
-      stats_dtype: the dtype the scaled gradients are judged against.
-      skip_spikes: a `SkipSpikes`: also skip steps whose loss or global gradient norm
-        jumps more than `threshold` spreads of the run's own step-to-step noise above its
-        running mean (cause "spike"; any sign and scale of loss). None (the default): off, and
-        the step does no extra work.
+      inner: the optimizer (any optax transform, `optax.chain`, `optax.MultiSteps` and
+        `optax.inject_hyperparams` included).
+      loss_scale: the initial `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
+      axis_name: a mapped axis name (or tuple) of `pmap`/`shard_map`, so every device takes
+        the same skip decision. Not needed under SPMD `jit`.
+      stats_every: opt-in: every `stats_every` steps, record per gradient leaf the largest and
+        smallest magnitudes and the fractions that underflow or overflow `stats_dtype`
+        (`GradientStats`; `loss_scaling_report` reads them), under a `cond`. None: off.
+      stats_dtype: the floating dtype the scaled gradients are judged against.
+      skip_spikes: a `SkipSpikes`: also skip steps whose loss or gradient norm jumps
+        `threshold` spreads above its running mean (cause "spike"). None (default): off.
 
     Returns:
-      An `optax.GradientTransformationExtraArgs` whose state is a
-      `LossScalingState`.
+      An `optax.GradientTransformationExtraArgs` whose state is a `LossScalingState`.
 
     Raises:
-      TypeError: `inner` is not an optax transform or `loss_scale` is not a
-        loss scale.
+      TypeError, ValueError: an argument of a wrong type or out of range (at construction);
+        at `init`/`update`, trees or a state that do not fit together.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -136,164 +86,87 @@ def loss_scaling(
       >>> float(jmp.get_loss_scale(state).loss_scale), int(state.skipped_steps)
       (512.0, 1)
     """
-    if not isinstance(inner, optax.GradientTransformation) and callable(
-        getattr(inner, "gradient_transformation", None)
-    ):
-        inner = inner.gradient_transformation()  # optax.MultiSteps
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            "Expected an optax.GradientTransformation (e.g. optax.adam(1e-3)) for `inner`, "
-            f"got {type(inner).__name__}."
-        )
-    if not isinstance(loss_scale, _LOSS_SCALES):
-        raise TypeError(
-            "Expected NoOpLossScale, StaticLossScale or DynamicLossScale for `loss_scale`, "
-            f"got {type(loss_scale).__name__}."
-        )
-    if stats_every is not None:
-        stats_every = whole_number(stats_every, "stats_every", low=1)
-    if skip_spikes is not None and not isinstance(skip_spikes, SkipSpikes):
-        raise TypeError(
-            "Expected a jmp_policy.scaling.SkipSpikes (e.g. SkipSpikes(threshold=10.0)) or None "
-            f"for `skip_spikes`, got {type(skip_spikes).__name__}."
-        )
-    try:
-        judged_in = jnp.dtype(stats_dtype)
-    except TypeError:
-        judged_in = None
-    if judged_in is None or not jnp.issubdtype(judged_in, jnp.floating):
-        raise TypeError(
-            f"Expected a floating dtype such as 'float16' for `stats_dtype`, got {stats_dtype!r}."
-        )
+    inner, parts = check_arguments(inner, loss_scale, stats_every, stats_dtype, skip_spikes)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        params = without_states(params)  # float8 state is written, not optimized
+        check_params(params)
         inner_state = inner.init(params)
         _warn_if_half_master_weights(params, inner_state)
-        # Every leaf its own buffer: a donated state may not hold one twice.
+        zero = lambda dtype=jnp.int32: jnp.zeros((), dtype)  # noqa: E731 (own buffers: donation)
         return LossScalingState(
-            loss_scale=_copy_leaves(loss_scale),
+            loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale),
             inner_state=inner_state,
-            applied_steps=jnp.zeros((), jnp.int32),
-            skipped_steps=jnp.zeros((), jnp.int32),
-            nonfinite_run=jnp.zeros((), jnp.int32),
-            last_step_skipped=jnp.zeros((), jnp.bool_),
-            nonfinite_leaves=LeafFlags(
-                jnp.zeros(len(jax.tree.leaves(params)), jnp.bool_), jax.tree.structure(params)
-            ),
-            skip_causes=jnp.zeros(len(SKIP_CAUSES), jnp.int32),
-            last_skip_cause=jnp.zeros((), jnp.int32),
-            gradient_stats=(
-                None
-                if stats_every is None
-                else empty_gradient_stats(len(jax.tree.leaves(params)), judged_in)
-            ),
-            spike_stats=(None if skip_spikes is None else SpikeStats.empty()),
+            applied_steps=zero(),
+            skipped_steps=zero(),
+            nonfinite_run=zero(),
+            last_step_skipped=zero(jnp.bool_),
+            parts=tuple(part.init(params) for part in parts),
         )
 
     def update_fn(updates, state, params=None, value=None, **extra_args):
-        # Float8 delayed-scaling state (`_fp8_state`): its gradient is its next value,
-        # written unless the step is skipped, never given to `inner`.
-        split = split_states(updates)
-        if split is None:
-            return _update(updates, state, params, value, **extra_args)[:2]
-        new_updates, new_state, applied = _update(
-            split[0], state, without_states(params), value, **extra_args
-        )
-        return written(new_updates, split[1:], params, applied), new_state
-
-    def _update(updates, state, params=None, value=None, **extra_args):
-        _check_state(state)
-        if params is not None:  # static dtypes: said while the first step traces
-            _warn_if_half_master_weights(params, state.inner_state, where="update")
-        loss_scale = state.loss_scale
-        origin = (
-            None
-            if isinstance(loss_scale, NoOpLossScale)
-            else gradient_origin(updates, params, loss_scale)
-        )
-        if origin == WITHOUT_SCALE:
-            _warn_if_gradients_unscaled(loss_scale)
-        elif origin == ARRIVED:
-            first = (state.applied_steps == 0) & (state.skipped_steps == 0)
-            warn_at_first_run_if_arrived_unscaled(state, first)
-        old_flags = state.nonfinite_leaves
-        leaf_finite = unscaled_leaf_finite(updates, loss_scale, axis_name)
-        # The loss, where given (`value=loss`, as optax passes it to transforms that need it):
-        # a non-finite one is a skip no scale cures. Agreed across devices as the gradients are.
-        loss_finite = (
-            jnp.ones((), jnp.bool_)
-            if value is None
-            else agree(jnp.all(jnp.isfinite(jnp.asarray(value))), axis_name)
-        )
-        finite = leaf_finite.all() & loss_finite
-        if value is not None:
+        value = check_given(state, parts, inner, updates, params, value)
+        check_misuse(updates, params, state)
+        scale = state.loss_scale
+        loss_finite = jnp.ones((), jnp.bool_)
+        if value is not None:  # a non-finite loss is a skip no scale cures
+            loss_finite = agree(jnp.all(jnp.isfinite(value)), axis_name)
             extra_args = {**extra_args, "value": value}  # for an inner transform that takes it
-        # Unscaled before the cond, in place of the scaled gradients (XLA reuses
-        # their buffers): measured faster to compile and run than unscaling in
-        # the cond's first pass, with the same temp memory.
-        grads = loss_scale.unscale(updates)
-        spikes = state.spike_stats
-        spike = jnp.zeros((), jnp.bool_)
-        if skip_spikes is not None and spikes is not None:
-            spike, spikes = _judge_spike(skip_spikes, spikes, finite, grads, value, axis_name)
-        applied = finite & ~spike
+        step = Step(
+            scaled=updates,
+            # Unscaled before the cond, in place of the scaled gradients (XLA reuses their
+            # buffers): measured faster to compile and run than unscaling inside the cond.
+            grads=scale.unscale(updates),
+            leaf_finite=unscaled_leaf_finite(updates, scale, axis_name),
+            loss_finite=loss_finite,
+            value=value,
+            count=state.applied_steps + state.skipped_steps,
+            axis_name=axis_name,
+        )
+        vetoes, part_states = zip(
+            *(p.veto(s, step) for p, s in zip(parts, state.parts, strict=True)), strict=True
+        )
+        vetoed = jnp.any(jnp.stack(vetoes))
+        applied = step.finite & ~vetoed
 
         def apply(grads, inner_state):
             new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
             return new_updates, optax.tree.cast_like(new_inner, inner_state)
 
-        new_updates, inner_state = _run_if_finite(applied, apply, grads, state.inner_state)
-        skipped = ~applied
-        stats = state.gradient_stats
-        if stats_every is not None and stats is not None:
-            step = state.applied_steps + state.skipped_steps
-            stats = lax.cond(
-                step % stats_every == 0,
-                lambda: gradient_stats(updates, judged_in, step),
-                lambda: stats,
-            )
-        # 1: a non-finite loss, 2: non-finite gradients of a finite loss, 3: a spike.
-        cause = jnp.where(applied, 0, jnp.where(~loss_finite, 1, jnp.where(finite, 3, 2))).astype(
-            jnp.int32
-        )
-        counted = jnp.arange(1, len(SKIP_CAUSES) + 1) == cause
-        # A non-finite loss or a spike leaves the scale as it was: backing off would not cure
+        new_updates, inner_state = _run_if_applied(applied, apply, step.grads, state.inner_state)
+        cause = jnp.zeros((), jnp.int32)  # a veto's cause: the first part's that vetoed
+        for part, veto in reversed(list(zip(parts, vetoes, strict=True))):
+            cause = jnp.where(veto, part.skip_cause or 0, cause)
+        cause = jnp.where(~step.finite, SkipCause.NON_FINITE_GRADIENTS, cause)
+        cause = jnp.where(~loss_finite, SkipCause.NON_FINITE_LOSS, cause)
+        cause = jnp.where(applied, 0, cause).astype(jnp.int32)
+        # A non-finite loss or a veto leaves the scale as it was: backing off would not cure
         # it, and would drive the scale toward its floor, where small gradients underflow.
-        adjusted = loss_scale.adjust(finite)
-        moves = loss_finite & ~spike
+        moves = loss_finite & ~vetoed
+        adjusted = scale.adjust(step.finite)
+        count = lambda n, where: jnp.where(where, optax.safe_int32_increment(n), n)  # noqa: E731
         new_state = LossScalingState(
-            loss_scale=jax.tree.map(
-                lambda new, old: jnp.where(moves, new, old), adjusted, loss_scale
-            ),
+            loss_scale=jax.tree.map(lambda new, old: jnp.where(moves, new, old), adjusted, scale),
             inner_state=inner_state,
-            applied_steps=jnp.where(
-                applied, optax.safe_int32_increment(state.applied_steps), state.applied_steps
+            applied_steps=count(state.applied_steps, applied),
+            skipped_steps=count(state.skipped_steps, ~applied),
+            nonfinite_run=jnp.where(applied, 0, optax.safe_int32_increment(state.nonfinite_run)),
+            last_step_skipped=~applied,
+            parts=tuple(
+                p.record(s, step, applied, cause) for p, s in zip(parts, part_states, strict=True)
             ),
-            skipped_steps=jnp.where(
-                skipped, optax.safe_int32_increment(state.skipped_steps), state.skipped_steps
-            ),
-            nonfinite_run=jnp.where(skipped, optax.safe_int32_increment(state.nonfinite_run), 0),
-            last_step_skipped=skipped,
-            nonfinite_leaves=dataclasses.replace(
-                old_flags, flags=jnp.where(finite, old_flags.flags, ~leaf_finite)
-            ),
-            skip_causes=jnp.where(
-                counted, optax.safe_int32_increment(state.skip_causes), state.skip_causes
-            ),
-            last_skip_cause=jnp.where(applied, state.last_skip_cause, cause),
-            gradient_stats=stats,
-            spike_stats=spikes,
         )
         return new_updates, new_state, applied
 
     # LossScalingState is an optax state (a pytree); optax's aliases do not say so.
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    return optax.GradientTransformationExtraArgs(
+        init_without_states(init_fn),
+        update_writing_states(update_fn),  # pyright: ignore[reportArgumentType]
+    )
 
 
-def _run_if_finite(finite, apply, grads, inner_state):
-    """`apply(grads, inner_state)` when `finite`, else (-0.0 updates, inner_state).
+def _run_if_applied(applied, apply, grads, inner_state):
+    """`apply(grads, inner_state)` when `applied`, else (-0.0 updates, inner_state).
 
     Only one of the two runs: a skipped step does no optimizer work.
     """
@@ -312,4 +185,4 @@ def _run_if_finite(finite, apply, grads, inner_state):
         zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), types)
         return zeros, inner_state
 
-    return lax.cond(finite, run, skip, grads, inner_state)
+    return lax.cond(applied, run, skip, grads, inner_state)

@@ -15,7 +15,8 @@ from typing import Any
 
 import jax
 
-from jmp_policy._loss_scaling.optimizer import LossScalingState, find_states, get_loss_scale
+from jmp_policy._core.pytree import find_states
+from jmp_policy._loss_scaling.state import LossScalingState, get_loss_scale
 
 
 def value_and_scaled_grad(

@@ -1,6 +1,6 @@
-"""Spike skipping for `loss_scaling`: why a step was skipped (`SKIP_CAUSES`), the
-settings (`SkipSpikes`), the running statistics kept in the state (`SpikeStats`), and
-the one decision on every device."""
+"""Spike skipping for `loss_scaling` (a `Part`, on with `skip_spikes=`): the settings
+(`SkipSpikes`), the running statistics kept in the state (`SpikeStats`), and the one decision
+on every device."""
 
 from __future__ import annotations
 
@@ -15,20 +15,8 @@ from jax import lax
 
 from jmp_policy._core.validation import whole_number
 from jmp_policy._loss_scaling.finite import agree, global_norm
-
-SKIP_CAUSES = ("non-finite loss", "non-finite gradients", "spike")
-"""Why `loss_scaling` skipped a step (`LossScalingState.skip_causes` counts them in this order):
-
-- "non-finite loss": the loss itself was inf or NaN (an inf in the batch, a NaN target, a
-  forward pass past the compute dtype's range). No loss scale cures it, so the scale is left
-  as it was. Known only when `update` is given the loss (`value=loss`).
-- "non-finite gradients": the loss was finite (or not given) and its scaled gradients
-  overflowed: the loss scale's doing, cured by backing it off.
-- "spike": with `loss_scaling(..., skip_spikes=SkipSpikes())`, a finite loss or global
-  gradient norm more than `threshold` spreads above its running mean (`SkipSpikes`). The
-  scale is left as it was.
-"""
-
+from jmp_policy._loss_scaling.parts import Part, Step
+from jmp_policy._loss_scaling.records import SkipCause
 
 # How far above its running mean a statistic must jump, in spreads, and the windows, chosen on
 # healthy noisy runs (benchmarks/bench_spikes.py --healthy; docs/loss_scaling.md has the
@@ -169,7 +157,7 @@ def spread(mean_square: jax.Array, mean: jax.Array, weight: jax.Array) -> jax.Ar
     return jnp.maximum(jnp.sqrt(corrected / 2), floor)
 
 
-def _judge_spike(config, stats, finite, grads, value, axis_name):
+def judge_spike(config, stats, finite, grads, value, axis_name):
     """Whether this step is a spike (`SkipSpikes`), and the statistics after it: learnt from
     the step only when it is applied. The same decision on every device of `axis_name`."""
     norm = global_norm(grads)
@@ -227,3 +215,19 @@ def _judge_spike(config, stats, finite, grads, value, axis_name):
         run=jnp.where(spike, stats.run + 1, 0).astype(jnp.int32),
     )
     return spike, learnt
+
+
+@dataclasses.dataclass(frozen=True)
+class Spikes(Part):
+    """The spike-skipping part of `loss_scaling`: vetoes a finite step that is a spike."""
+
+    state_type = SpikeStats
+    config: SkipSpikes
+    skip_cause = SkipCause.SPIKE
+
+    def init(self, params: Any) -> SpikeStats:
+        del params
+        return SpikeStats.empty()
+
+    def veto(self, state: SpikeStats, step: Step) -> tuple[jax.Array, SpikeStats]:
+        return judge_spike(self.config, state, step.finite, step.grads, step.value, step.axis_name)

@@ -15,49 +15,45 @@ from jmp_policy._core.pytree import find_states
 from jmp_policy._loss_scaling.gradient_stats import GradientStats
 from jmp_policy._loss_scaling.leaf_flags import LeafFlags
 from jmp_policy._loss_scaling.loss_scale import (
-    DynamicLossScale,
     LossScale,
-    NoOpLossScale,
-    StaticLossScale,
 )
 from jmp_policy._loss_scaling.misuse import note_scale_read
+from jmp_policy._loss_scaling.records import SkipRecords
 from jmp_policy._loss_scaling.spikes import SpikeStats
-
-_LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 T = TypeVar("T")
 
 
 class LossScalingState(NamedTuple):
-    """The state of `loss_scaling`.
+    """The state of `loss_scaling`: what every configuration needs, and its parts' states.
 
     Attributes:
       loss_scale: the current `LossScale` (the one the next step's loss must be
         scaled with).
       inner_state: the wrapped optimizer's state; untouched by skipped steps.
       applied_steps: steps whose update was applied (int32, saturating).
-      skipped_steps: steps skipped because a gradient was inf/NaN (int32,
-        saturating).
+      skipped_steps: steps skipped (int32, saturating).
       nonfinite_run: the current run of consecutive skipped steps; 0 after an
         applied step (int32, saturating). A long run means the loss itself is
         not finite, or the scale is stuck at its floor.
       last_step_skipped: whether the most recent step was skipped (bool).
-      nonfinite_leaves: for the most recent skipped step, a `LeafFlags` with a
-        bool per gradient leaf: True where that leaf held an inf or NaN (after
-        unscaling). All False until a step is skipped. One packed array, a
-        by-product of the finite check itself (which works per leaf), so it
-        costs no extra pass over the gradients. Read it with
-        `nonfinite_leaves.paths()`, `.tree()`, or `jmp_policy.loss_scaling_report`.
-      skip_causes: skipped steps by cause (int32, saturating), in the order of
-        `SKIP_CAUSES`: non-finite loss, non-finite gradients, spike. A step whose
-        `update` was not given the loss (`value=loss`) counts its non-finite
-        gradients as the second.
-      last_skip_cause: the most recent skipped step's cause, 1 + its index in
-        `SKIP_CAUSES` (int32); 0 until a step is skipped.
-      gradient_stats: with `loss_scaling(..., stats_every=N)`, the `GradientStats` of the
-        scaled gradients, collected every N steps; None otherwise.
-      spike_stats: with `loss_scaling(..., skip_spikes=SkipSpikes())`, the running means
-        and spreads spikes are judged against (`SpikeStats`); None otherwise.
+      parts: the states of the parts composed in, in order: the skip records
+        (`SkipRecords`, always), `GradientStats` (with `stats_every=N`) and
+        `SpikeStats` (with `skip_spikes=`). Read them by name:
+
+    - `nonfinite_leaves`: for the most recent step with non-finite gradients, a `LeafFlags`
+      with a bool per gradient leaf: True where that leaf held an inf or NaN (after
+      unscaling). All False until then. One packed array, a by-product of the finite check
+      itself (which works per leaf). Read it with `nonfinite_leaves.paths()`, `.tree()`, or
+      `jmp_policy.loss_scaling_report`.
+    - `skip_causes`: skipped steps by cause (int32, saturating), in the order of
+      `SKIP_CAUSES`: non-finite loss, non-finite gradients, spike. A step whose `update` was
+      not given the loss (`value=loss`) counts its non-finite gradients as the second.
+    - `last_skip_cause`: the most recent skipped step's `SkipCause` (int32); 0 until a skip.
+    - `gradient_stats`: the `GradientStats` of the scaled gradients with
+      `loss_scaling(..., stats_every=N)`; None otherwise.
+    - `spike_stats`: the running means and spreads spikes are judged against (`SpikeStats`)
+      with `loss_scaling(..., skip_spikes=SkipSpikes())`; None otherwise.
     """
 
     loss_scale: LossScale
@@ -66,40 +62,41 @@ class LossScalingState(NamedTuple):
     skipped_steps: jax.Array  # shape=(), dtype=jnp.int32
     nonfinite_run: jax.Array  # shape=(), dtype=jnp.int32
     last_step_skipped: jax.Array  # shape=(), dtype=jnp.bool_
-    nonfinite_leaves: LeafFlags  # one bool per parameter leaf, packed
-    skip_causes: jax.Array  # shape=(len(SKIP_CAUSES),), dtype=jnp.int32
-    last_skip_cause: jax.Array  # shape=(), dtype=jnp.int32
-    gradient_stats: GradientStats | None = None
-    spike_stats: SpikeStats | None = None
+    parts: tuple = ()  # SkipRecords, then GradientStats and SpikeStats where configured
 
+    def part(self, kind: type[T]) -> T | None:
+        """The state of the part of type `kind` (`SkipRecords`, `GradientStats`,
+        `SpikeStats`), or None where this configuration has none."""
+        return next((p for p in self.parts if isinstance(p, kind)), None)
 
-def _check_state(state: Any) -> None:
-    if isinstance(state, LossScalingState):
-        return
-    fix = (
-        "Pass the state that `tx.init(params)` returned for `tx = jmp_policy.loss_scaling("
-        "inner, scale)`: `updates, opt_state = tx.update(grads, opt_state, params)`."
-    )
-    if isinstance(state, _LOSS_SCALES):
-        got = (
-            f"a {type(state).__name__} (the loss scale alone; it lives inside the optimizer "
-            "state, where `jmp_policy.get_loss_scale(opt_state)` reads it)"
-        )
-    elif find_states(state, LossScalingState):
-        got = f"a {type(state).__name__} that holds a loss_scaling state inside it"
-        fix = (
-            "Pass the whole state to the transform it belongs to: the chain or wrapper "
-            "around loss_scaling takes the whole state; loss_scaling's own `update` takes "
-            "only its own part."
-        )
-    else:
-        got = (
-            f"a {type(state).__name__} with no loss_scaling state in it (the inner optimizer's "
-            "state, e.g. from `inner.init(params)`?)"
-        )
-    raise TypeError(
-        f"Expected a LossScalingState for `state` of loss_scaling's update, got {got}. {fix}"
-    )
+    @property
+    def nonfinite_leaves(self) -> LeafFlags:
+        return self._records().nonfinite_leaves
+
+    @property
+    def skip_causes(self) -> jax.Array:
+        return self._records().skip_causes
+
+    @property
+    def last_skip_cause(self) -> jax.Array:
+        return self._records().last_skip_cause
+
+    @property
+    def gradient_stats(self) -> GradientStats | None:
+        return self.part(GradientStats)
+
+    @property
+    def spike_stats(self) -> SpikeStats | None:
+        return self.part(SpikeStats)
+
+    def _records(self) -> SkipRecords:
+        records = self.part(SkipRecords)
+        if records is None:
+            raise ValueError(
+                "Expected the skip records in this LossScalingState's `parts`, found none: "
+                "was it made by `jmp_policy.loss_scaling(...).init(params)`?"
+            )
+        return records
 
 
 def find_loss_scaling_state(opt_state: Any) -> LossScalingState:

@@ -14,7 +14,7 @@ import optax
 from jax.typing import DTypeLike
 
 from jmp_policy._core.compat import variable_value
-from jmp_policy._loss_scaling.optimizer import find_states
+from jmp_policy._core.pytree import find_states
 from jmp_policy._low_precision.rounding import (
     _random_bits_for,
     _round_up_by,
