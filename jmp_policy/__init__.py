@@ -83,42 +83,6 @@ __version__ = "0.1.0"
 
 _LAZY_SUBMODULES = ("eqx", "linen", "nnx")
 
-# Top-level names of earlier releases: {name: (module, its name there)}, found for one more
-# release with a DeprecationWarning.
-_MOVED = {
-    "AUTOCAST_ALLOW": ("casting", "ALLOW"),
-    "AUTOCAST_DENY": ("casting", "DENY"),
-    "AUTOCAST_NO_HALF_KERNEL": ("casting", "NO_HALF_KERNEL"),
-    **{
-        name: ("scaling", name)
-        for name in (
-            "LeafFlags",
-            "LossScalingReport",
-            "LossScalingState",
-            "SKIP_CAUSES",
-            "SkipSpikes",
-            "SpikeStats",
-            "check_loss_scaling",
-            "find_loss_scaling_state",
-        )
-    },
-    **{
-        name: ("errors", name)
-        for name in ("LossScalingWarning", "NonFiniteLossError", "PrecisionWarning")
-    },
-    **{name: ("low_precision", name) for name in ("LowPrecisionState", "master_params")},
-    **{
-        name: ("reports", name)
-        for name in (
-            "PrecisionDebugReport",
-            "PrecisionReport",
-            "PrecisionStats",
-            "value_and_grad_with_stats",
-        )
-    },
-}
-
-
 def __getattr__(name: str):
     import importlib
 
@@ -126,17 +90,6 @@ def __getattr__(name: str):
     # load them on first use.
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    if name in _MOVED:
-        module, attribute = _MOVED[name]
-        import warnings
-
-        warnings.warn(
-            f"jmp_policy.{name} moved to jmp_policy.{module}.{attribute}; the top-level name "
-            "goes in the next release.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -8,3 +8,5 @@ from jmp_policy._autocast.transforms import NO_HALF_KERNEL as NO_HALF_KERNEL
 from jmp_policy._autocast.transforms import autocast as autocast
 from jmp_policy._autocast.transforms import cast_at_use as cast_at_use
 from jmp_policy._autocast.transforms import full_precision as full_precision
+
+__all__ = ["ALLOW", "DENY", "NO_HALF_KERNEL", "autocast", "cast_at_use", "full_precision"]

@@ -376,3 +376,10 @@ def block_scaled_dot_general(
     if mode == "nvfp4":  # straight-through: zero gradient where the forward pass clips
         lhs, rhs = _unclipped_gradient(lhs, mode), _unclipped_gradient(rhs, mode)
     return _block_scaled(lhs, rhs, dn, mode, jnp.dtype(preferred_element_type), use_jax)
+
+__all__ = [
+    "block_scaled_dot_general",
+    "eligible",
+    "fake_quantize",
+    "hardware_path",
+]

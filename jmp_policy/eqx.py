@@ -219,3 +219,9 @@ def filter_value_and_scaled_grad(
       True
     """
     return value_and_scaled_grad(fun, has_aux=has_aux, grad_fn=eqx.filter_value_and_grad)
+
+__all__ = [
+    "MixedPrecision",
+    "filter_value_and_scaled_grad",
+    "mixed_precision",
+]

@@ -342,3 +342,21 @@ def _rowwise_dot_bwd(dimension_numbers, static, residuals, g):
 
 
 _rowwise_dot.defvjp(_rowwise_dot_fwd, _rowwise_dot_bwd)
+
+__all__ = [
+    "DelayedScaling",
+    "E4M3",
+    "E5M2",
+    "FP8_EXCLUDE",
+    "Fp8DotGeneral",
+    "Fp8DotState",
+    "Fp8Meta",
+    "combine_microbatches",
+    "compute_scale",
+    "fp8_dot_general",
+    "fp8_dot_general_delayed",
+    "fp8_eligible",
+    "merge_microbatch",
+    "next_state",
+    "quantize",
+]

@@ -444,3 +444,9 @@ def mixed_precision(
     return MixedPrecisionModule(
         module, policy, overrides, reduce_dtype, accumulate_dtype, fp8_scaling
     )
+
+__all__ = [
+    "MixedPrecisionModule",
+    "NORMS_IN_FLOAT32",
+    "mixed_precision",
+]

@@ -366,3 +366,10 @@ def check_reduce_dtype(value: Any) -> np.dtype | None:
 def check_accumulate_dtype(value: Any) -> np.dtype | None:
     """`accumulate_dtype` of the integrations: None or a floating dtype."""
     return _optional(value)
+
+__all__ = [
+    "MixedConvGeneralDilated",
+    "MixedDotGeneral",
+    "conv_general_dilated",
+    "dot_general",
+]

@@ -421,3 +421,10 @@ def _take_back_hooks(module: nnx.Module) -> None:
 
 
 _ABSENT = object()
+
+__all__ = [
+    "NORMS_IN_FLOAT32",
+    "attention_with_float32_softmax",
+    "mixed_precision",
+    "revert_if_skipped",
+]

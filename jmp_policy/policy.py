@@ -88,6 +88,17 @@ _JAX_FLOATS = frozenset(
 )  # fmt: skip
 
 
+def _named_dtype(name: str) -> np.dtype | None:
+    """The dtype a plain name means to NumPy, or None. Only names are read: NumPy parses other
+    strings (',', 'i4,f8') as structured dtypes, and some raise a SyntaxError."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        return None
+    try:
+        return np.dtype(jnp.dtype(name))
+    except TypeError:
+        return None
+
+
 def normalise_dtype(value: Any, argument: str) -> np.dtype:
     """`value` as a NumPy dtype: one of JAX's floating dtypes, given as a dtype, a type or a
     name (jmp's short names too: "f16", "bf16", "f32", "half"). None is refused, not read as
@@ -98,12 +109,14 @@ def normalise_dtype(value: Any, argument: str) -> np.dtype:
     if isinstance(value, str) and value.strip() in ("half", *_DTYPE_ALIASES):
         value = value.strip()
         return half_dtype() if value == "half" else np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError as e:
-        raise TypeError(
-            f"Expected a floating dtype ({accepted}) for `{argument}`, got {value!r}."
-        ) from e
+    dtype = _named_dtype(value) if isinstance(value, str) else None
+    if dtype is None and not isinstance(value, str):
+        try:
+            dtype = jnp.dtype(value)
+        except TypeError:
+            dtype = None
+    if dtype is None:
+        raise TypeError(f"Expected a floating dtype ({accepted}) for `{argument}`, got {value!r}.")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"Expected a floating dtype ({accepted}) for `{argument}`, got {dtype.name}: a "
@@ -265,12 +278,9 @@ def _parse_dtype(value: str, policy_name: str) -> np.dtype:
         return half_dtype()
     if value in _DTYPE_ALIASES:
         return np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
-    try:
-        # Any other floating dtype name JAX knows (e.g. float8_e4m3fn), so that
-        # `str(policy)` round-trips for every policy.
-        dtype = jnp.dtype(value)
-    except TypeError:
-        dtype = None
+    # Any other floating dtype name JAX knows (e.g. float8_e4m3fn), so that `str(policy)`
+    # round-trips for every policy.
+    dtype = _named_dtype(value)
     if dtype in _JAX_FLOATS:
         return dtype
     accepted = ", ".join(["half", *_DTYPE_ALIASES])
@@ -441,3 +451,11 @@ def cast_to_full(tree: T) -> T:
 def cast_to_half(tree: T) -> T:
     """Casts the floating leaves of `tree` to `half_dtype()`."""
     return cast_floating(tree, half_dtype())
+
+__all__ = [
+    "Policy",
+    "cast_to_full",
+    "cast_to_half",
+    "get_policy",
+    "half_dtype",
+]

@@ -4,6 +4,8 @@ whatever the import order, its public names, its families and the paths of earli
 import subprocess
 import sys
 
+import pytest
+
 import jmp_policy as jmp
 
 
@@ -107,23 +109,23 @@ def test_no_import_circle_between_the_library_modules():
     assert "low_precision" not in graph["_loss_scaling.optimizer"]  # the circle issue 36 named
 
 
-def test_names_that_left_the_top_level_still_work_with_a_warning_naming_their_module():
+def test_every_public_module_says_what_it_exports_and_holds_it():
+    """Each public module (`jmp_policy.<name>`, no underscore) has an `__all__` of names it
+    holds, none private; a star import gives exactly those, not its helpers."""
     import importlib
-    import warnings
+    import pathlib
 
-    for name, (module, attribute) in jmp._MOVED.items():
-        home = getattr(importlib.import_module(f"jmp_policy.{module}"), attribute)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert getattr(jmp, name) is home
-        (warning,) = caught
-        assert warning.category is DeprecationWarning
-        assert f"jmp_policy.{module}.{attribute}" in str(warning.message)
-        assert warning.filename == __file__  # points at the caller
-        assert (
-            name not in jmp.__all__
-            and attribute in importlib.import_module(f"jmp_policy.{module}").__all__
-        )
+    package = pathlib.Path(jmp.__file__).parent
+    public = sorted(p.stem for p in package.glob("*.py") if not p.stem.startswith("_"))
+    assert len(public) >= 12, public
+    for name in public:
+        module = importlib.import_module(f"jmp_policy.{name}")
+        exported = getattr(module, "__all__", None)
+        assert exported, f"jmp_policy.{name} has no __all__"
+        assert all(hasattr(module, n) and not n.startswith("_") for n in exported), name
+        namespace: dict = {}
+        exec(f"from jmp_policy.{name} import *", namespace)
+        assert set(namespace) - {"__builtins__"} == set(exported), name
 
 
 def test_the_api_reference_documents_the_top_level_and_only_it():
@@ -141,7 +143,7 @@ def test_the_api_reference_documents_the_top_level_and_only_it():
         assert hasattr(importlib.import_module(module), name), path
 
 
-OLD_PATHS = {  # module paths of earlier releases: a name each used to export
+OLD_PATHS = {  # module paths of an earlier layout (never released), now gone
     "transform": "find_loss_scaling_state",
     "census": "iter_equations",
     "loss_scale": "DynamicLossScale",
@@ -152,12 +154,14 @@ OLD_PATHS = {  # module paths of earlier releases: a name each used to export
     "overrides": "FULL_PRECISION_REGION",
     "debugger": "LayerStats",
 }
+OLD_TOP_LEVEL = ("AUTOCAST_ALLOW", "LossScalingState", "SkipSpikes", "PrecisionWarning")
 
 
-def test_module_paths_of_earlier_releases_import_with_a_deprecation_warning():
+def test_the_old_module_paths_and_top_level_names_are_gone():
     """`ls jmp_policy` shows the families (`_core`, `_loss_scaling`, `_autocast`, `_flax`,
-    `_fp8`, `_reports`) beside the public modules; the old module paths still import, with
-    the same objects, and warn once when first imported."""
+    `_fp8`, `_reports`) beside the public modules; the earlier layout's paths and top-level
+    names were never released, so they are gone rather than kept with a warning."""
+    import importlib
     import pathlib
 
     package = pathlib.Path(jmp.__file__).parent
@@ -171,23 +175,13 @@ def test_module_paths_of_earlier_releases_import_with_a_deprecation_warning():
         "_low_precision",
         "_reports",
     } <= families
-    out = run(
-        "import warnings, importlib\n"
-        "import jmp_policy as jmp\n"
-        f"paths = {OLD_PATHS!r}\n"
-        "for old, name in paths.items():\n"
-        "    with warnings.catch_warnings(record=True) as caught:\n"
-        "        warnings.simplefilter('always')\n"
-        "        module = importlib.import_module('jmp_policy.' + old)\n"
-        "    said = [str(w.message) for w in caught if w.category is DeprecationWarning]\n"
-        "    assert len(said) == 1 and ('jmp_policy.' + old) in said[0], (old, said)\n"
-        "    assert getattr(module, name) is not None\n"
-        "assert callable(jmp.autocast) and jmp.autocast is importlib.import_module("
-        "'jmp_policy.autocast').autocast\n"
-        "assert jmp.all_finite is importlib.import_module('jmp_policy.finite').all_finite\n"
-        "print('ok')\n"
-    )
-    assert out == "ok", out
+    for old in OLD_PATHS:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"jmp_policy.{old}")
+    for name in OLD_TOP_LEVEL:
+        with pytest.raises(AttributeError):
+            getattr(jmp, name)
+    assert jmp.scaling.LossScalingState is not None and jmp.casting.ALLOW is not None
 
 
 def test_the_library_imports_no_deprecated_path_of_its_own():

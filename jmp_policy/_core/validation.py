@@ -142,6 +142,38 @@ def whole_number(value: Any, argument: str, *, low: int, high: int = INT32_MAX) 
     return int(value)
 
 
+def check_argnums(argnums: Any) -> list[int]:
+    """`argnums` (an int or a non-empty sequence of ints, as JAX takes it) as a list."""
+    ints = list(argnums) if isinstance(argnums, (tuple, list)) else [argnums]
+    if not ints or any(isinstance(i, (bool, np.bool_)) or not isinstance(i, int) for i in ints):
+        raise TypeError(
+            f"Expected an int or a non-empty tuple of ints for `argnums`, got {argnums!r}."
+        )
+    return ints
+
+
+def argnum_positions(argnums: Any, count: int) -> list[int]:
+    """The distinct positions `argnums` names among `count` arguments (negative ones counted
+    from the end, as in JAX)."""
+    positions = [argnum_position(i, count) for i in check_argnums(argnums)]
+    if len(set(positions)) < len(positions):
+        raise ValueError(
+            f"Expected distinct positions in `argnums`, got {argnums!r} for {count} arguments."
+        )
+    return positions
+
+
+def argnum_position(i: int, count: int) -> int:
+    """The position `i` of `argnums` among `count` arguments; a negative one counts from the
+    end, as in JAX."""
+    if not -count <= i < count:
+        raise ValueError(
+            f"Expected `argnums` within the {count} argument(s) given (from {-count} to "
+            f"{count - 1}), got {i}."
+        )
+    return i % count
+
+
 def check_bool(value: Any, argument: str) -> bool:
     """`value` as a Python bool: True or False (a NumPy bool too), never a truthy string."""
     if not isinstance(value, (bool, np.bool_)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jmp_policy._core.pytree import register_state
+from jmp_policy._core.validation import check_bool, whole_number
 from jmp_policy._fp8.scaling import (
     E4M3,
     E5M2,
@@ -109,17 +111,21 @@ class DelayedScaling:
     grad_margin: int | None = None
 
     def __post_init__(self):
-        for name, low in (("history_length", 1), ("margin", 0), ("grad_margin", 0)):
+        _check_format(self.fmt)
+        whole_number(self.history_length, "history_length", low=1)
+        # A margin past the format's normal range puts every value at or below its smallest
+        # normal (2**100 is inf in float32: every scale 0 and every loss NaN).
+        for name, dtype in (("margin", E4M3), ("grad_margin", self.grad_dtype)):
             value = getattr(self, name)
-            if name == "grad_margin" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"Expected an integer >= {low} for `{name}`, got {value!r}.")
-        if self.amax_from not in AMAX_FROM:
+            if value is not None:
+                finfo = jnp.finfo(dtype)
+                top = int(math.log2(float(finfo.max) / float(finfo.smallest_normal)))
+                whole_number(value, name, low=0, high=top)
+        check_bool(self.power_of_two, "power_of_two")
+        if not isinstance(self.amax_from, str) or self.amax_from not in AMAX_FROM:
             raise ValueError(
                 f"Unknown `amax_from` {self.amax_from!r}: expected 'max' or 'most_recent'."
             )
-        _check_format(self.fmt)
 
     @property
     def grad_dtype(self) -> np.dtype:

@@ -98,7 +98,7 @@ def _current(x: jax.Array, dtype: np.dtype, power_of_two: bool) -> tuple[jax.Arr
 
 
 def _check_format(fmt: str) -> str:
-    if fmt not in FORMATS and fmt not in MODES:
+    if not isinstance(fmt, str) or (fmt not in FORMATS and fmt not in MODES):
         raise ValueError(
             f"Unknown fp8 format {fmt!r} for `fmt`: expected 'hybrid' (e4m3 forward, e5m2 "
             "gradients), 'e4m3' (e4m3 everywhere), or a block-scaled 'mxfp8' or 'nvfp4'."

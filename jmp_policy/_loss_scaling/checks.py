@@ -121,7 +121,10 @@ def check_given(
             "Expected the loss (a real scalar, e.g. from jax.value_and_grad) for `value` of "
             f"loss_scaling's update, got {value!r}."
         )
-    return jnp.asarray(value)
+    # A Python number is read as float32 (as JAX reads it), an int past int32 included.
+    return (
+        jnp.asarray(value, jnp.float32) if isinstance(value, (int, float)) else jnp.asarray(value)
+    )
 
 
 def _structure(tree: Any) -> Any:

@@ -127,7 +127,7 @@ _FIXES = {
 }
 
 
-def loss_scaling_report(opt_state: Any) -> LossScalingReport:
+def loss_scaling_report(opt_state: Any) -> LossScalingReport | tuple[LossScalingReport, ...]:
     """Reads the counters and diagnostics of the `loss_scaling` state in `opt_state`.
 
     Args:
@@ -135,7 +135,13 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
         holds a `loss_scaling` state.
 
     Returns:
-      A `LossScalingReport`.
+      A `LossScalingReport`; for a batched state (`jax.vmap` of `init` over an ensemble), a
+      tuple of them, one per member (in row-major order of the batch axes).
+
+    Raises:
+      TypeError: called under `jit` (or another transform): the report reads the state on the
+        host. Call it outside the step, on the state the step returned.
+      ValueError: `opt_state` holds no `loss_scaling` state, or several.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -152,6 +158,20 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport:
       non-finite gradients in ['fc']['w']
     """
     state = find_loss_scaling_state(opt_state)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+        raise TypeError(
+            "Expected a concrete loss_scaling state for loss_scaling_report, got traced values: "
+            "the report reads the state on the host, so it cannot run inside `jit` (or "
+            "`vmap`, `grad`). Call it outside the step, on the state the step returned, e.g. "
+            "every N steps of the training loop."
+        )
+    batch = np.shape(state.applied_steps)
+    if batch:  # an ensemble's state: one report per member
+        return tuple(_report(jax.tree.map(lambda x, i=i: x[i], state)) for i in np.ndindex(*batch))
+    return _report(state)
+
+
+def _report(state: Any) -> LossScalingReport:
     scale = state.loss_scale
     scale_value = float(host_value(scale.loss_scale))
     at_floor = isinstance(scale, DynamicLossScale) and scale_value <= scale.floor
@@ -238,7 +258,9 @@ def _read_stats(state: Any) -> tuple[dict[str, dict[str, float]] | None, int | N
     return out, int(host_value(stats.step))
 
 
-def check_loss_scaling(opt_state: Any, max_nonfinite_run: int = 20) -> LossScalingReport:
+def check_loss_scaling(
+    opt_state: Any, max_nonfinite_run: int = 20
+) -> LossScalingReport | tuple[LossScalingReport, ...]:
     """Raises when training has skipped too many steps in a row; else reports.
 
     A dynamic loss scale cures overflow by backing off, so a long run of
@@ -252,7 +274,8 @@ def check_loss_scaling(opt_state: Any, max_nonfinite_run: int = 20) -> LossScali
       max_nonfinite_run: how many consecutive skipped steps to tolerate (>= 1).
 
     Returns:
-      The `LossScalingReport`, when the run is shorter than `max_nonfinite_run`. When the
+      The `LossScalingReport` (a tuple of them for a batched state, as `loss_scaling_report`
+      gives), when every run is shorter than `max_nonfinite_run`. When the
       report has a `hint` (a scale past 2^24 that never overflowed: unscaled gradients), a
       `jmp_policy.errors.PrecisionWarning` says it too.
 
@@ -269,19 +292,20 @@ def check_loss_scaling(opt_state: Any, max_nonfinite_run: int = 20) -> LossScali
         raise ValueError(
             f"Expected an integer >= 1 for `max_nonfinite_run`, got {max_nonfinite_run}."
         )
-    report = loss_scaling_report(opt_state)
-    if report.nonfinite_run >= max_nonfinite_run:
-        cause = (
-            "the loss scale is at its floor, so a smaller scale cannot cure it"
-            if report.at_floor
-            else "backing off the loss scale has not cured it"
-        )
-        raise NonFiniteLossError(
-            f"{report.nonfinite_run} consecutive steps had inf/NaN gradients and were skipped; "
-            f"{cause}. The loss itself is probably not finite: check the data and the loss for "
-            "NaN, lower the learning rate, or keep fragile ops (softmax, log, losses) in "
-            f"float32. Status: {report}."
-        )
-    if report.hint:
-        warnings.warn(f"check_loss_scaling: {report.hint}.", PrecisionWarning, stacklevel=2)
-    return report
+    reports = loss_scaling_report(opt_state)
+    for report in reports if isinstance(reports, tuple) else (reports,):
+        if report.nonfinite_run >= max_nonfinite_run:
+            cause = (
+                "the loss scale is at its floor, so a smaller scale cannot cure it"
+                if report.at_floor
+                else "backing off the loss scale has not cured it"
+            )
+            raise NonFiniteLossError(
+                f"{report.nonfinite_run} consecutive steps had inf/NaN gradients and were "
+                f"skipped; {cause}. The loss itself is probably not finite: check the data and "
+                "the loss for NaN, lower the learning rate, or keep fragile ops (softmax, log, "
+                f"losses) in float32. Status: {report}."
+            )
+        if report.hint:
+            warnings.warn(f"check_loss_scaling: {report.hint}.", PrecisionWarning, stacklevel=2)
+    return reports

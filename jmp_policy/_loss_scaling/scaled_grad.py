@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from jmp_policy._core.pytree import find_states
+from jmp_policy._core.validation import argnum_positions, check_argnums
 from jmp_policy._loss_scaling.state import LossScalingState, get_loss_scale
 
 
@@ -81,6 +82,7 @@ def value_and_scaled_grad(
             f"flax.nnx.value_and_grad for `grad_fn`, got {type(grad_fn).__name__}."
         )
 
+    check_argnums(argnums)
     first_only = not _takes_argnums(grad_fn)
     if first_only and argnums != 0:
         raise ValueError(
@@ -114,7 +116,9 @@ def value_and_scaled_grad(
             differentiate = grad_fn(scaled_first, has_aux=True)
             (_, (loss, aux)), grads = differentiate(args[0], scale, *args[1:], **kwargs)
         else:
-            shifted = (argnums + 1) if isinstance(argnums, int) else tuple(i + 1 for i in argnums)
+            # Positions after `opt_state`; negative ones count from the end of `args`, as JAX's.
+            positions = [i + 1 for i in argnum_positions(argnums, len(args))]
+            shifted = positions[0] if isinstance(argnums, int) else tuple(positions)
             differentiate = grad_fn(scaled, argnums=shifted, has_aux=True)
             (_, (loss, aux)), grads = differentiate(scale, *args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads

@@ -408,6 +408,12 @@ def precision_report(
       >>> report.counts["dot_general"], report.total("float16")
       ({'float16': 1}, 3)
     """
+    for name, given in (("fun", fun), ("original", original)):
+        if not (callable(given) or (name == "original" and given is None)):
+            raise TypeError(
+                f"Expected a function (the model's forward pass or a train step) for `{name}`, "
+                f"got {given!r}: `precision_report(fun, *example_args)`."
+            )
     # NNX and Equinox modules are named by their paths, as the precision debugger names them.
     with _naming.module_names():
         program = trace(fun, *args, **kwargs)

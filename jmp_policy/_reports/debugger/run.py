@@ -4,18 +4,19 @@ run as one program, read on the host."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.typing import DTypeLike
 
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import naming as _naming
 from jmp_policy._core.pytree import is_traced_leaf, pure_nnx, split_traced
+from jmp_policy._core.validation import argnum_positions, positive_number
 from jmp_policy._reports.debugger.interpreter import _Collector
 from jmp_policy._reports.debugger.names import _hoisted, _renamed
 from jmp_policy._reports.debugger.report import OpError, PrecisionDebugReport
@@ -95,7 +96,9 @@ def debug_precision(
 
     Raises:
       TypeError: `dtype` is not one of those, or `loss_fn` does not return a scalar.
-      ValueError: `loss_scale` is not a positive finite number.
+      TypeError, ValueError: `loss_fn` is not callable, `loss_scale` is not a positive number
+        float32 holds, `argnums` is not within `args`, or the arguments are traced (under
+        `jit`: debug_precision runs the program itself).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -107,9 +110,21 @@ def debug_precision(
       >>> report.advice()["loss_scale"]
       {'initial': 0.0625, 'hysteresis': 1}
     """
+    if not callable(loss_fn):
+        raise TypeError(
+            "Expected a loss function returning a scalar for `loss_fn`, got "
+            f"{loss_fn!r}: `debug_precision(loss_fn, *example_args)`."
+        )
     target = _target_dtype(dtype)
-    if not (isinstance(loss_scale, (int, float)) and loss_scale > 0 and math.isfinite(loss_scale)):
-        raise ValueError(f"Expected a positive finite number for `loss_scale`, got {loss_scale!r}.")
+    # A Python number or a concrete scalar array, such as `get_loss_scale(state).loss_scale`.
+    loss_scale = positive_number(loss_scale, "loss_scale")
+    argnum_positions(argnums, len(args))
+    if any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(args)):
+        raise TypeError(
+            "Expected concrete example arguments for debug_precision, got traced values: it "
+            "runs the program and reads every value on the host, so it cannot run inside "
+            "`jit`, `grad` or `vmap`. Call it outside the train step, on example inputs."
+        )
     # An argument that is a number is an array; inside a pytree, leaves that are not arrays (an
     # Equinox module's activation function, a flag) are passed as they are, as
     # `eqx.filter_jit` does.
