@@ -83,6 +83,7 @@ __version__ = "0.1.0"
 
 _LAZY_SUBMODULES = ("eqx", "linen", "nnx")
 
+
 def __getattr__(name: str):
     import importlib
 

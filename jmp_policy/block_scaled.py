@@ -377,6 +377,7 @@ def block_scaled_dot_general(
         lhs, rhs = _unclipped_gradient(lhs, mode), _unclipped_gradient(rhs, mode)
     return _block_scaled(lhs, rhs, dn, mode, jnp.dtype(preferred_element_type), use_jax)
 
+
 __all__ = [
     "block_scaled_dot_general",
     "eligible",

@@ -220,6 +220,7 @@ def filter_value_and_scaled_grad(
     """
     return value_and_scaled_grad(fun, has_aux=has_aux, grad_fn=eqx.filter_value_and_grad)
 
+
 __all__ = [
     "MixedPrecision",
     "filter_value_and_scaled_grad",

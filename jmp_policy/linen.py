@@ -445,6 +445,7 @@ def mixed_precision(
         module, policy, overrides, reduce_dtype, accumulate_dtype, fp8_scaling
     )
 
+
 __all__ = [
     "MixedPrecisionModule",
     "NORMS_IN_FLOAT32",

@@ -367,6 +367,7 @@ def check_accumulate_dtype(value: Any) -> np.dtype | None:
     """`accumulate_dtype` of the integrations: None or a floating dtype."""
     return _optional(value)
 
+
 __all__ = [
     "MixedConvGeneralDilated",
     "MixedDotGeneral",

@@ -109,6 +109,11 @@ def normalise_dtype(value: Any, argument: str) -> np.dtype:
     if isinstance(value, str) and value.strip() in ("half", *_DTYPE_ALIASES):
         value = value.strip()
         return half_dtype() if value == "half" else np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
+    if isinstance(value, (np.ndarray, jax.Array)):  # NumPy reads an array as its dtype, warning
+        raise TypeError(
+            f"Expected a floating dtype ({accepted}) for `{argument}`, got an array; pass its "
+            "`.dtype`."
+        )
     dtype = _named_dtype(value) if isinstance(value, str) else None
     if dtype is None and not isinstance(value, str):
         try:
@@ -451,6 +456,7 @@ def cast_to_full(tree: T) -> T:
 def cast_to_half(tree: T) -> T:
     """Casts the floating leaves of `tree` to `half_dtype()`."""
     return cast_floating(tree, half_dtype())
+
 
 __all__ = [
     "Policy",

@@ -5,6 +5,7 @@ parameters and the loss against each other. Every check runs in Python while the
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -13,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_policy._core.compat import variable_value
 from jmp_policy._core.pytree import find_states
-from jmp_policy._core.validation import whole_number
+from jmp_policy._core.validation import FLOAT32_MAX, whole_number
 from jmp_policy._fp8.state import without_states
 from jmp_policy._loss_scaling.gradient_stats import Statistics
 from jmp_policy._loss_scaling.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
@@ -121,10 +123,12 @@ def check_given(
             "Expected the loss (a real scalar, e.g. from jax.value_and_grad) for `value` of "
             f"loss_scaling's update, got {value!r}."
         )
-    # A Python number is read as float32 (as JAX reads it), an int past int32 included.
-    return (
-        jnp.asarray(value, jnp.float32) if isinstance(value, (int, float)) else jnp.asarray(value)
-    )
+    if isinstance(value, (int, float)):
+        # A Python number is read as float32 (as JAX reads it); one past float32's range is
+        # inf, a non-finite loss (an int past int32 included), without NumPy's cast warning.
+        number = float(value) if abs(value) <= FLOAT32_MAX else math.copysign(math.inf, value)
+        return jnp.asarray(number, jnp.float32)
+    return jnp.asarray(value)
 
 
 def _structure(tree: Any) -> Any:
@@ -136,7 +140,9 @@ def _structure(tree: Any) -> Any:
     nnx = sys.modules.get("flax.nnx")  # no NNX loaded: no Variable to look for
     if nnx is not None:
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-        tree = jax.tree.map(lambda x: x.value if is_variable(x) else x, tree, is_leaf=is_variable)
+        tree = jax.tree.map(
+            lambda x: variable_value(x) if is_variable(x) else x, tree, is_leaf=is_variable
+        )
     return jax.tree.structure(without_states(tree))
 
 

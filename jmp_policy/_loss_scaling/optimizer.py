@@ -134,12 +134,7 @@ def loss_scaling(
             return new_updates, optax.tree.cast_like(new_inner, inner_state)
 
         new_updates, inner_state = _run_if_applied(applied, apply, step.grads, state.inner_state)
-        cause = jnp.zeros((), jnp.int32)  # a veto's cause: the first part's that vetoed
-        for part, veto in reversed(list(zip(parts, vetoes, strict=True))):
-            cause = jnp.where(veto, part.skip_cause or 0, cause)
-        cause = jnp.where(~step.finite, SkipCause.NON_FINITE_GRADIENTS, cause)
-        cause = jnp.where(~loss_finite, SkipCause.NON_FINITE_LOSS, cause)
-        cause = jnp.where(applied, 0, cause).astype(jnp.int32)
+        cause = _skip_cause(step, applied, zip(parts, vetoes, strict=True))
         # A non-finite loss or a veto leaves the scale as it was: backing off would not cure
         # it, and would drive the scale toward its floor, where small gradients underflow.
         moves = loss_finite & ~vetoed
@@ -163,6 +158,17 @@ def loss_scaling(
         init_without_states(init_fn),
         update_writing_states(update_fn),  # pyright: ignore[reportArgumentType]
     )
+
+
+def _skip_cause(step, applied, vetoes):
+    """The `SkipCause` of this step (int32; 0 when applied): a non-finite loss, else non-finite
+    gradients, else the first part that vetoed it."""
+    cause = jnp.zeros((), jnp.int32)
+    for part, veto in reversed(list(vetoes)):
+        cause = jnp.where(veto, part.skip_cause or 0, cause)
+    cause = jnp.where(~step.finite, SkipCause.NON_FINITE_GRADIENTS, cause)
+    cause = jnp.where(~step.loss_finite, SkipCause.NON_FINITE_LOSS, cause)
+    return jnp.where(applied, 0, cause).astype(jnp.int32)
 
 
 def _run_if_applied(applied, apply, grads, inner_state):
