@@ -63,7 +63,9 @@ class _AtUse:
     """The model's `autocast.cast_at_use` programs, one per graph (a static attribute)."""
 
     def __init__(self, weights_in_float32: bool):
-        self.programs: dict[Any, Any] = {}
+        # (graphdef, program) pairs, found by equality: a graph's static attributes are the
+        # user's objects (a config holding a list), which need not be hashable.
+        self.programs: list[tuple[Any, Any]] = []
         self.weights_in_float32 = weights_in_float32
 
     def call(self, model, scoped, args, kwargs, check: bool = False):
@@ -71,11 +73,12 @@ class _AtUse:
         model's state (batch statistics, RNG counts) updated as the call left it; `check`:
         the program (traced once, the call's) checked for float32 matmuls first."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        if graphdef not in self.programs:
-            self.programs[graphdef] = cast_at_use(
+        program = next((p for g, p in self.programs if g == graphdef), None)
+        if program is None:
+            program = cast_at_use(
                 _functional(graphdef, scoped), weights_in_float32=self.weights_in_float32
             )
-        program = self.programs[graphdef]
+            self.programs.append((graphdef, program))
         if check:
             _check(program.traced_program(params, rest, args, kwargs))
         out, state = program(params, rest, args, kwargs)

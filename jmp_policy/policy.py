@@ -89,14 +89,16 @@ _JAX_FLOATS = frozenset(
 
 
 def _named_dtype(name: str) -> np.dtype | None:
-    """The dtype a plain name means to NumPy, or None. Only names are read: NumPy parses other
-    strings (',', 'i4,f8') as structured dtypes, and some raise a SyntaxError."""
+    """The dtype `name` names, or None. Only full names are read: NumPy parses other strings
+    as structured dtypes (',', 'i4,f8'; some raise a SyntaxError) or type codes ('d' is
+    float64)."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         return None
     try:
-        return np.dtype(jnp.dtype(name))
+        dtype = np.dtype(jnp.dtype(name))
     except TypeError:
         return None
+    return dtype if dtype.name == name else None
 
 
 def normalise_dtype(value: Any, argument: str) -> np.dtype:
@@ -286,7 +288,7 @@ def _parse_dtype(value: str, policy_name: str) -> np.dtype:
     # Any other floating dtype name JAX knows (e.g. float8_e4m3fn), so that `str(policy)`
     # round-trips for every policy.
     dtype = _named_dtype(value)
-    if dtype in _JAX_FLOATS:
+    if dtype is not None and dtype in _JAX_FLOATS:
         return dtype
     accepted = ", ".join(["half", *_DTYPE_ALIASES])
     raise ValueError(

@@ -40,7 +40,10 @@ class _Autocast:
         self._static_argnames = static_argnames
         self._cast_inputs = cast_inputs
         self._region_name = region_name
-        self._cache: dict = {}
+        # (signature, program) pairs, found by equality: a signature holds NNX graph
+        # definitions, whose static attributes are the user's objects (a config holding a
+        # list) and need not be hashable.
+        self._cache: list[tuple[Any, Any]] = []
 
     @property
     def _recipe(self) -> DelayedScaling | None:
@@ -108,13 +111,15 @@ class _Autocast:
         state_key = tuple((np.shape(x), jnp.result_type(x)) for x in state_leaves)
         key = (in_tree, specs, varying, static_args, static_kwargs, _naming.active(), nnx_key)
         key = (*key, fp8_state is None, state_tree, state_key)
-        if key not in self._cache:
+        program = next((p for k, p in self._cache if k == key), None)
+        if program is None:
             fun = self._fun if graphdefs is None else written_back(self._fun, graphdefs)
-            self._cache[key] = self._build(
+            program = self._build(
                 fun, in_tree, specs, arrays, dict(static_args), dict(static_kwargs), len(args),
                 None if fp8_state is None else state_tree,
             )  # fmt: skip
-        return [*arrays, *state_leaves], self._cache[key]
+            self._cache.append((key, program))
+        return [*arrays, *state_leaves], program
 
     def _build(
         self, fun, in_tree, specs, arrays, static_args, static_kwargs, n_args, state_tree=None

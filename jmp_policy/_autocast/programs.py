@@ -240,10 +240,22 @@ def _eval_custom_derivative(ev: _Evaluation, eqn: Any, invals: list) -> list:
 
         return list(with_jvp(*invals))
 
+    # Differentiated only in the inputs the caller perturbs (`symbolic_zeros`: JAX says which),
+    # the others held constant, as JAX itself runs the function: Equinox's
+    # `filter_custom_vjp` (diffrax's adjoints) checks that its non-differentiable inputs are
+    # not perturbed.
     pullback: list = []  # the tree of `jax.vjp`'s function: its leaves are the residuals
+    perturbed: list = []
 
     def forward(*args: Any) -> list:
-        outs, vjp = jax.vjp(original, *args)
+        def of_perturbed(*moved: Any) -> list:
+            given = iter(moved)
+            return original(
+                *[next(given) if p else a for a, p in zip(args, perturbed[0], strict=True)]
+            )
+
+        moved = [a for a, p in zip(args, perturbed[0], strict=True) if p]
+        outs, vjp = jax.vjp(of_perturbed, *moved)
         residuals, tree = jax.tree.flatten(vjp)
         pullback[:] = [tree]
         return [*outs, *residuals]
@@ -252,15 +264,26 @@ def _eval_custom_derivative(ev: _Evaluation, eqn: Any, invals: list) -> list:
     def fun(*args):
         return primal(*args)
 
-    def fwd(*args):
-        outs = _rewritten(forward, args, ev)
+    def fwd(*primals):
+        perturbed[:] = [tuple(p.perturbed for p in primals)]
+        outs = _rewritten(forward, [p.value for p in primals], ev)
         return outs[:n_out], outs[n_out:]
 
     def bwd(residuals, cotangents):
-        return tuple(jax.tree.unflatten(pullback[0], residuals)(list(cotangents)))
+        cotangents = [_instantiated(c) for c in cotangents]
+        grads = iter(jax.tree.unflatten(pullback[0], residuals)(cotangents))
+        return tuple(next(grads) if p else None for p in perturbed[0])
 
-    fun.defvjp(fwd, bwd)
+    fun.defvjp(fwd, bwd, symbolic_zeros=True)
     return list(fun(*invals))
+
+
+def _instantiated(cotangent: Any) -> Any:
+    """A cotangent as an array: a `SymbolicZero` (an output nothing depends on) as its zeros."""
+    if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+        aval: Any = cotangent.aval  # its shape and dtype (float0 for an integer output)
+        return jnp.zeros(aval.shape, aval.dtype)
+    return cotangent
 
 
 def _eval_structural(ev: _Evaluation, eqn: Any, invals: list) -> list:

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 from jmp_policy._core.validation import MANY_SPIKES, warn_once_per_mistake
 from jmp_policy._loss_scaling.gradient_stats import (
@@ -158,7 +159,7 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport | tuple[LossScaling
       non-finite gradients in ['fc']['w']
     """
     state = find_loss_scaling_state(opt_state)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+    if any(isinstance(x, Tracer) for x in jax.tree.leaves(state)):
         raise TypeError(
             "Expected a concrete loss_scaling state for loss_scaling_report, got traced values: "
             "the report reads the state on the host, so it cannot run inside `jit` (or "

@@ -13,7 +13,11 @@ from jmp_policy._fp8.state import split_states, without_states, written
 
 def init_without_states(init: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """`init` of the parameters without their float8 states."""
-    return lambda params: init(without_states(params))
+
+    def init_fn(params):
+        return init(without_states(params))
+
+    return init_fn
 
 
 def update_writing_states(update: Callable[..., tuple]) -> Callable[..., tuple]:

@@ -98,7 +98,7 @@ class Statistics(Part):
     ) -> GradientStats:
         del applied, cause
         return lax.cond(
-            step.count % self.every == 0,
-            lambda: gradient_stats(step.scaled, self.dtype, step.count),
+            step.steps % self.every == 0,
+            lambda: gradient_stats(step.scaled, self.dtype, step.steps),
             lambda: state,
         )

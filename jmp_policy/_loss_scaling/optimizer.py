@@ -1,14 +1,12 @@
-"""`loss_scaling`: the loss-scaled, skip-on-overflow step as one optax transform.
-
-The core, in torch.amp's order: the caller scales the loss by S and differentiates; `update`
-unscales the gradients with that same S, checks them, runs the inner optimizer only when they
-are finite (else returns zero updates and leaves the inner state exactly as it was), and only
-then adjusts S. The rest are parts composed around it (`parts`): the skip records, gradient
-statistics, spike skipping, float8 states and the misuse check, each in its own file.
-"""
+"""`loss_scaling`, the core: in torch.amp's order, unscale the gradients with the S the loss was
+scaled by, check them, apply the inner optimizer or skip (zero updates, its state kept), then
+adjust S. The parts composed around it (`parts`: skip records, gradient statistics, spike
+skipping, float8 states, the misuse check) each live in a file of their own."""
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Hashable
 
 import jax
@@ -22,8 +20,8 @@ from jmp_policy._loss_scaling.finite import agree, unscaled_leaf_finite
 from jmp_policy._loss_scaling.fp8_states import init_without_states, update_writing_states
 from jmp_policy._loss_scaling.loss_scale import LossScale
 from jmp_policy._loss_scaling.misuse import _warn_if_half_master_weights, check_misuse
-from jmp_policy._loss_scaling.parts import Step
-from jmp_policy._loss_scaling.records import SkipCause
+from jmp_policy._loss_scaling.parts import Step, vetoes_of
+from jmp_policy._loss_scaling.records import skip_cause
 from jmp_policy._loss_scaling.spikes import SkipSpikes
 from jmp_policy._loss_scaling.state import LossScalingState
 
@@ -112,29 +110,30 @@ def loss_scaling(
         if value is not None:  # a non-finite loss is a skip no scale cures
             loss_finite = agree(jnp.all(jnp.isfinite(value)), axis_name)
             extra_args = {**extra_args, "value": value}  # for an inner transform that takes it
+        leaf_finite = unscaled_leaf_finite(updates, scale, axis_name)
         step = Step(
             scaled=updates,
             # Unscaled before the cond, in place of the scaled gradients (XLA reuses their
             # buffers): measured faster to compile and run than unscaling inside the cond.
             grads=scale.unscale(updates),
-            leaf_finite=unscaled_leaf_finite(updates, scale, axis_name),
+            leaf_finite=leaf_finite,
             loss_finite=loss_finite,
+            finite=leaf_finite.all() & loss_finite,
             value=value,
-            count=state.applied_steps + state.skipped_steps,
+            steps=state.applied_steps + state.skipped_steps,
             axis_name=axis_name,
         )
-        vetoes, part_states = zip(
-            *(p.veto(s, step) for p, s in zip(parts, state.parts, strict=True)), strict=True
-        )
-        vetoed = jnp.any(jnp.stack(vetoes))
+        vetoes, part_states = vetoes_of(parts, state.parts, step)
+        vetoed = functools.reduce(operator.or_, [v for _, v in vetoes], jnp.zeros((), jnp.bool_))
         applied = step.finite & ~vetoed
+        skipped = ~applied
 
         def apply(grads, inner_state):
             new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
             return new_updates, optax.tree.cast_like(new_inner, inner_state)
 
         new_updates, inner_state = _run_if_applied(applied, apply, step.grads, state.inner_state)
-        cause = _skip_cause(step, applied, zip(parts, vetoes, strict=True))
+        cause = skip_cause(step, applied, vetoes)
         # A non-finite loss or a veto leaves the scale as it was: backing off would not cure
         # it, and would drive the scale toward its floor, where small gradients underflow.
         moves = loss_finite & ~vetoed
@@ -144,9 +143,9 @@ def loss_scaling(
             loss_scale=jax.tree.map(lambda new, old: jnp.where(moves, new, old), adjusted, scale),
             inner_state=inner_state,
             applied_steps=count(state.applied_steps, applied),
-            skipped_steps=count(state.skipped_steps, ~applied),
+            skipped_steps=count(state.skipped_steps, skipped),
             nonfinite_run=jnp.where(applied, 0, optax.safe_int32_increment(state.nonfinite_run)),
-            last_step_skipped=~applied,
+            last_step_skipped=skipped,
             parts=tuple(
                 p.record(s, step, applied, cause) for p, s in zip(parts, part_states, strict=True)
             ),
@@ -155,20 +154,9 @@ def loss_scaling(
 
     # LossScalingState is an optax state (a pytree); optax's aliases do not say so.
     return optax.GradientTransformationExtraArgs(
-        init_without_states(init_fn),
+        init_without_states(init_fn),  # pyright: ignore[reportArgumentType]
         update_writing_states(update_fn),  # pyright: ignore[reportArgumentType]
     )
-
-
-def _skip_cause(step, applied, vetoes):
-    """The `SkipCause` of this step (int32; 0 when applied): a non-finite loss, else non-finite
-    gradients, else the first part that vetoed it."""
-    cause = jnp.zeros((), jnp.int32)
-    for part, veto in reversed(list(vetoes)):
-        cause = jnp.where(veto, part.skip_cause or 0, cause)
-    cause = jnp.where(~step.finite, SkipCause.NON_FINITE_GRADIENTS, cause)
-    cause = jnp.where(~step.loss_finite, SkipCause.NON_FINITE_LOSS, cause)
-    return jnp.where(applied, 0, cause).astype(jnp.int32)
 
 
 def _run_if_applied(applied, apply, grads, inner_state):

@@ -86,6 +86,17 @@ class Records(Part):
         )
 
 
+def skip_cause(step, applied, vetoes):
+    """The `SkipCause` of this step (int32; 0 when applied): a non-finite loss, else non-finite
+    gradients, else the first part that vetoed it."""
+    cause = jnp.zeros((), jnp.int32)
+    for part, veto in reversed(list(vetoes)):
+        cause = jnp.where(veto, part.skip_cause or 0, cause)
+    cause = jnp.where(~step.finite, SkipCause.NON_FINITE_GRADIENTS, cause)
+    cause = jnp.where(~step.loss_finite, SkipCause.NON_FINITE_LOSS, cause)
+    return jnp.where(applied, 0, cause).astype(jnp.int32)
+
+
 def structure_of(state: SkipRecords) -> Any:
     """The parameters' structure the records were made for (what gradients must have)."""
     return state.nonfinite_leaves.treedef
