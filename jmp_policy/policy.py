@@ -88,7 +88,7 @@ _JAX_FLOATS = frozenset(
 )  # fmt: skip
 
 
-def _named_dtype(name: str) -> np.dtype | None:
+def named_dtype(name: str) -> np.dtype | None:
     """The dtype `name` names, or None. Only full names are read: NumPy parses other strings
     as structured dtypes (',', 'i4,f8'; some raise a SyntaxError) or type codes ('d' is
     float64)."""
@@ -116,7 +116,7 @@ def normalise_dtype(value: Any, argument: str) -> np.dtype:
             f"Expected a floating dtype ({accepted}) for `{argument}`, got an array; pass its "
             "`.dtype`."
         )
-    dtype = _named_dtype(value) if isinstance(value, str) else None
+    dtype = named_dtype(value) if isinstance(value, str) else None
     if dtype is None and not isinstance(value, str):
         try:
             dtype = jnp.dtype(value)
@@ -260,11 +260,11 @@ def _closest_policy_name(name: str) -> str | None:
     return close[0] if close else None
 
 
-def _unknown_policy_name(name: str) -> ValueError:
+def _unknown_policy_name(name: str, argument: str = "policy_name") -> ValueError:
     guess = _closest_policy_name(name)
     return ValueError(
         # "Unknown dtype" first: jmp's own tests (run against us) match it.
-        f"Unknown dtype or policy name {name!r} for `policy_name`: expected a preset "
+        f"Unknown dtype or policy name {name!r} for `{argument}`: expected a preset "
         f"({', '.join(_PRESETS)}: float32 params and outputs, lower-precision compute), a "
         f"dtype for everything ({', '.join(['half', *_DTYPE_ALIASES])}, or another floating "
         "dtype such as float8_e4m3fn), or 'key=dtype' pairs such as "
@@ -279,7 +279,7 @@ def _unknown_policy_name(name: str) -> ValueError:
     )
 
 
-def _parse_dtype(value: str, policy_name: str) -> np.dtype:
+def _parse_dtype(value: str, policy_name: str, argument: str = "policy_name") -> np.dtype:
     value = value.strip()
     if value == "half":
         return half_dtype()
@@ -287,12 +287,12 @@ def _parse_dtype(value: str, policy_name: str) -> np.dtype:
         return np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
     # Any other floating dtype name JAX knows (e.g. float8_e4m3fn), so that `str(policy)`
     # round-trips for every policy.
-    dtype = _named_dtype(value)
+    dtype = named_dtype(value)
     if dtype is not None and dtype in _JAX_FLOATS:
         return dtype
     accepted = ", ".join(["half", *_DTYPE_ALIASES])
     raise ValueError(
-        f"Unknown dtype {value!r} in `policy_name` {policy_name!r}: expected one of "
+        f"Unknown dtype {value!r} in `{argument}` {policy_name!r}: expected one of "
         f"{accepted}.{_suggest(value, ['half', *_DTYPE_ALIASES])}"
     )
 
@@ -331,10 +331,15 @@ def get_policy(policy_name: str) -> Policy:
       >>> print(jmp.get_policy("mixed_float16"))
       params=float32,compute=float16,output=float32
     """
+    return _parse_policy(policy_name, "policy_name")
+
+
+def _parse_policy(policy_name: Any, argument: str) -> Policy:
+    """`get_policy`'s parser; its errors name `argument` (a model integration's `policy`)."""
     if not isinstance(policy_name, str):
         raise TypeError(
             f"Expected a string such as 'params=float32,compute=float16' or "
-            f"'mixed_float16' for `policy_name`, got {type(policy_name).__name__}."
+            f"'mixed_float16' for `{argument}`, got {type(policy_name).__name__}."
         )
     name = policy_name.strip()
     if name in _PRESETS:
@@ -343,13 +348,13 @@ def get_policy(policy_name: str) -> Policy:
     if "=" not in name:
         if not name:
             raise ValueError(
-                "Expected a dtype, a preset or 'key=dtype' pairs for `policy_name`, "
+                f"Expected a dtype, a preset or 'key=dtype' pairs for `{argument}`, "
                 "got an empty string."
             )
         try:
-            dtype = _parse_dtype(name, policy_name)
+            dtype = _parse_dtype(name, policy_name, argument)
         except ValueError:
-            raise _unknown_policy_name(name) from None
+            raise _unknown_policy_name(name, argument) from None
         return Policy(dtype, dtype, dtype)
 
     chosen: dict[str, np.dtype] = {}
@@ -357,19 +362,19 @@ def get_policy(policy_name: str) -> Policy:
         pieces = part.split("=")
         if len(pieces) != 2:
             raise ValueError(
-                f"Expected comma-separated 'key=dtype' pairs for `policy_name`, got "
+                f"Expected comma-separated 'key=dtype' pairs for `{argument}`, got "
                 f"{part.strip()!r} in {policy_name!r}."
             )
         key, value = pieces[0].strip(), pieces[1]
         if key not in _KEY_ALIASES:
             raise ValueError(
-                f"Unknown key {key!r} in `policy_name` {policy_name!r}: expected one of "
+                f"Unknown key {key!r} in `{argument}` {policy_name!r}: expected one of "
                 f"params (p), compute (c), output (o).{_suggest(key, _KEY_ALIASES)}"
             )
         key = _KEY_ALIASES[key]
         if key in chosen:
-            raise ValueError(f"Key {key!r} is given twice in `policy_name` {policy_name!r}.")
-        chosen[key] = _parse_dtype(value, policy_name)
+            raise ValueError(f"Key {key!r} is given twice in `{argument}` {policy_name!r}.")
+        chosen[key] = _parse_dtype(value, policy_name, argument)
     params = chosen.get("params", np.dtype(np.float32))
     compute = chosen.get("compute", params)
     output = chosen.get("output", compute)
@@ -404,12 +409,14 @@ def check_policy(policy: Any, argument: str = "policy") -> Policy:
     `argument` and saying what to pass instead.
     """
     if isinstance(policy, str):
-        return get_policy(policy)
+        return _parse_policy(policy, argument)
     if not isinstance(policy, Policy):
-        try:
-            dtype = jnp.dtype(policy)
-        except TypeError:
-            dtype = None
+        dtype = None
+        if not isinstance(policy, (np.ndarray, jax.Array, np.generic)):  # not read as a dtype
+            try:
+                dtype = jnp.dtype(policy)
+            except TypeError:
+                dtype = None
         if dtype is not None and not isinstance(policy, str):
             half = f"mixed_{dtype.name}" if dtype.name in ("float16", "bfloat16") else None
             fix = (

@@ -14,11 +14,13 @@ import math
 import re
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -147,7 +149,9 @@ def test_a_policy_holds_jax_floating_dtypes_that_cast_or_says_why_not(param, com
         (policy.output_dtype, policy.cast_to_output),
     ):
         assert jnp.issubdtype(dtype, jnp.floating) and dtype != np.longdouble
-        out = cast(x)
+        with warnings.catch_warnings():  # JAX's own word on float64 without x64 mode
+            warnings.filterwarnings("ignore", "Explicitly requested dtype float64", UserWarning)
+            out = cast(x)
         # float64 is float32 unless JAX's x64 mode is on, as everywhere in JAX.
         assert out["w"].dtype == jax.dtypes.canonicalize_dtype(dtype)
         assert out["n"].dtype == jnp.int32
@@ -370,3 +374,89 @@ def test_the_reports_read_a_batched_state_and_say_what_they_need_under_jit():
         jax.jit(lambda s: jmp.loss_scaling_report(s).loss_scale)(tx.init({"w": jnp.ones(2)}))
     with pytest.raises(TypeError, match="cannot run inside `jit`"):
         jax.jit(lambda x: jmp.debug_precision(lambda w: jnp.sum(w), x).loss_scale)(jnp.ones(2))
+
+
+def _linen_model():
+    return nn.Dense(2)
+
+
+def _nnx_model():
+    return nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+
+def _eqx_model():
+    eqx = pytest.importorskip("equinox")
+    return eqx.nn.Linear(2, 2, key=jax.random.key(0))
+
+
+# Every other public entry point, with the argument a user gets wrong, and what a right
+# answer must satisfy (None: any answer, once it is not a raw error, is checked by the
+# entry point's own tests).
+_ENTRY_POINTS = {
+    "autocast(policy=)": ("policy", lambda v: jmp.autocast(jnp.sin, policy=v), None),
+    "autocast(fun)": ("fun", lambda v: jmp.autocast(v), None),
+    "autocast(allow=)": ("allow", lambda v: jmp.autocast(jnp.sin, allow=v), None),
+    "autocast(fp8_scaling=)": ("fp8_scaling", lambda v: jmp.autocast(jnp.sin, fp8_scaling=v), None),
+    "full_precision": ("fun", lambda v: jmp.full_precision(v), None),
+    "linen.mixed_precision": (
+        "policy",
+        lambda v: jmp.linen.mixed_precision(_linen_model(), v),
+        None,
+    ),
+    "nnx.mixed_precision": ("policy", lambda v: jmp.nnx.mixed_precision(_nnx_model(), v), None),
+    "eqx.mixed_precision": ("policy", lambda v: jmp.eqx.mixed_precision(_eqx_model(), v), None),
+    "linen.mixed_precision(overrides=)": (
+        "overrides",
+        lambda v: jmp.linen.mixed_precision(_linen_model(), "mixed_float16", overrides=v),
+        None,
+    ),
+    "low_precision_optimizer(rounding=)": (
+        "rounding",
+        lambda v: jmp.low_precision_optimizer(optax.sgd(1.0), v),
+        None,
+    ),
+    "low_precision_optimizer(seed=)": (
+        "seed",
+        lambda v: jmp.low_precision_optimizer(optax.sgd(1.0), seed=v),
+        lambda tx: tx.init({"w": jnp.ones(2, jnp.bfloat16)}) is not None,
+    ),
+    "check_loss_scaling(max_nonfinite_run=)": (
+        "max_nonfinite_run",
+        lambda v: scaling.check_loss_scaling(
+            jmp.loss_scaling(optax.sgd(1.0), jmp.NoOpLossScale()).init({"w": jnp.ones(1)}), v
+        ),
+        lambda report: report.applied_steps == 0,
+    ),
+    "get_loss_scale": ("opt_state", lambda v: jmp.get_loss_scale(v), None),
+    "loss_scaling_report": ("opt_state", lambda v: jmp.loss_scaling_report(v), None),
+    "value_and_scaled_grad(fun)": ("fun", lambda v: jmp.value_and_scaled_grad(v), None),
+    "debug_precision(dtype=)": (
+        "dtype",
+        lambda v: jmp.debug_precision(lambda w: jnp.sum(w * w), jnp.ones(2), dtype=v),
+        lambda report: (
+            report.dtype in ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32")
+        ),
+    ),
+    "select_tree(pred)": (
+        "pred",
+        lambda v: jmp.select_tree(v, {"a": jnp.ones(1)}, {"a": jnp.zeros(1)}),
+        None,
+    ),
+    "DynamicLossScale.adjust": (
+        "grads_finite",
+        lambda v: jmp.DynamicLossScale(2.0).adjust(v),
+        lambda s: float(s.loss_scale) in (1.0, 2.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_ENTRY_POINTS))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=st.one_of(_ANYTHING, st.just("nonsense")))
+def test_every_entry_point_refuses_what_it_cannot_take_by_name(entry, value):
+    argument, call, right = _ENTRY_POINTS[entry]
+    with warnings.catch_warnings():  # a policy string such as "float16" warns (master weights)
+        warnings.simplefilter("ignore", UserWarning)
+        result = _outcome(lambda: call(value), argument)
+    if result is not None and right is not None:
+        assert right(result), (entry, value, result)

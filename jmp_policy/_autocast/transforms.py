@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
@@ -67,15 +68,16 @@ def _known_primitives() -> frozenset:
 
 
 def _check_names(names: Any, argument: str) -> frozenset:
-    if isinstance(names, str) or not isinstance(names, Iterable):
+    if isinstance(names, (str, np.ndarray, jax.Array)) or not isinstance(names, Iterable):
         raise TypeError(
             f"Expected a collection of primitive names (e.g. {{'dot_general'}}) for `{argument}`, "
             f"got {names!r}."
         )
-    names = frozenset(names)
-    bad = sorted(n for n in names if not isinstance(n, str))
+    names = list(names)
+    bad = [n for n in names if not isinstance(n, str)]
     if bad:
         raise TypeError(f"Expected primitive names (strings) in `{argument}`, got {bad!r}.")
+    names = frozenset(names)
     unknown = sorted(names - _known_primitives() - ALLOW - DENY)
     if unknown:
         raise ValueError(

@@ -145,11 +145,13 @@ def whole_number(value: Any, argument: str, *, low: int, high: int = INT32_MAX) 
 def check_argnums(argnums: Any) -> list[int]:
     """`argnums` (an int or a non-empty sequence of ints, as JAX takes it) as a list."""
     ints = list(argnums) if isinstance(argnums, (tuple, list)) else [argnums]
-    if not ints or any(isinstance(i, (bool, np.bool_)) or not isinstance(i, int) for i in ints):
+    if not ints or any(
+        isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) for i in ints
+    ):
         raise TypeError(
             f"Expected an int or a non-empty tuple of ints for `argnums`, got {argnums!r}."
         )
-    return ints
+    return [int(i) for i in ints]
 
 
 def argnum_positions(argnums: Any, count: int) -> list[int]:

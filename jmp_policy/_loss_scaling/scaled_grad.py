@@ -118,7 +118,7 @@ def value_and_scaled_grad(
         else:
             # Positions after `opt_state`; negative ones count from the end of `args`, as JAX's.
             positions = [i + 1 for i in argnum_positions(argnums, len(args))]
-            shifted = positions[0] if isinstance(argnums, int) else tuple(positions)
+            shifted = tuple(positions) if isinstance(argnums, (tuple, list)) else positions[0]
             differentiate = grad_fn(scaled, argnums=shifted, has_aux=True)
             (_, (loss, aux)), grads = differentiate(scale, *args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads

@@ -161,7 +161,7 @@ def low_precision_optimizer(
         raise TypeError(
             f"Expected an optax.GradientTransformation for `inner`, got {type(inner).__name__}."
         )
-    if rounding not in MODES:
+    if not isinstance(rounding, str) or rounding not in MODES:
         raise ValueError(f"Expected one of {MODES} for `rounding`, got {rounding!r}.")
     given = moment_dtypes is not None
     if moment_dtypes is None:
