@@ -47,7 +47,7 @@ IMPLEMENTATIONS = (None, "jax", "emulated")
 
 
 def _config(mode: str) -> Any:
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"Expected one of {MODES} for `mode`, got {mode!r}.")
     return jax.nn.get_scaled_dot_general_config(mode)  # pyright: ignore[reportArgumentType]
 

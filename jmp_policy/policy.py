@@ -152,7 +152,10 @@ def cast_floating(tree: T, dtype: np.dtype) -> T:
                 return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
             return x
         if is_floating_array(x) and x.dtype != dtype:
-            return x.astype(dtype)
+            # A value past the target's range becomes inf, as JAX's cast makes it, without
+            # NumPy's warning for a NumPy leaf.
+            with np.errstate(over="ignore"):
+                return x.astype(dtype)
         # Already the target dtype: returned as is, so no convert op is traced.
         return x
 

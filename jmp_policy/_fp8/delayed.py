@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -25,6 +24,7 @@ from jmp_policy._fp8.scaling import (
     _dequantized_grads,
     _dot_arguments,
     compute_scale,
+    max_margin,
     quantize,
 )
 
@@ -115,12 +115,12 @@ class DelayedScaling:
         whole_number(self.history_length, "history_length", low=1)
         # A margin past the format's normal range puts every value at or below its smallest
         # normal (2**100 is inf in float32: every scale 0 and every loss NaN).
-        for name, dtype in (("margin", E4M3), ("grad_margin", self.grad_dtype)):
-            value = getattr(self, name)
-            if value is not None:
-                finfo = jnp.finfo(dtype)
-                top = int(math.log2(float(finfo.max) / float(finfo.smallest_normal)))
-                whole_number(value, name, low=0, high=top)
+        whole_number(self.margin, "margin", low=0, high=max_margin(E4M3))
+        # The gradients' margin (`margin + 2` unless given) within their own format's.
+        if self.grad_margin is None:
+            whole_number(self.margin, "margin", low=0, high=max_margin(self.grad_dtype) - 2)
+        else:
+            whole_number(self.grad_margin, "grad_margin", low=0, high=max_margin(self.grad_dtype))
         check_bool(self.power_of_two, "power_of_two")
         if not isinstance(self.amax_from, str) or self.amax_from not in AMAX_FROM:
             raise ValueError(

@@ -4,14 +4,18 @@ delayed scaling (`jmp_policy.fp8`)."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from jmp_policy._core.validation import check_bool, whole_number
 from jmp_policy.block_scaled import MODES
-from jmp_policy.policy import BLOCK_FORMATS
+from jmp_policy.policy import BLOCK_FORMATS, named_dtype
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -25,6 +29,30 @@ def float8_format(compute_dtype: DTypeLike, fmt: str = "hybrid") -> str:
 
 
 SCALINGS = ("tensorwise", "rowwise")
+
+
+def float8_dtype(dtype: Any, argument: str = "dtype") -> np.dtype:
+    """`dtype` checked: a float8 dtype (e4m3fn, e5m2 or another this JAX knows), given as a
+    dtype, a type or its full name."""
+    found = named_dtype(dtype) if isinstance(dtype, str) else None
+    if not isinstance(dtype, (str, np.ndarray, np.generic, jax.Array, bool, int, float)):
+        try:
+            found = np.dtype(jnp.dtype(dtype))
+        except TypeError:
+            found = None
+    if found is None or not found.name.startswith("float8_"):
+        raise TypeError(
+            f"Expected a float8 dtype (jmp_policy.fp8.E4M3, E5M2 or a name such as "
+            f"'float8_e4m3fn') for `{argument}`, got {dtype!r}."
+        )
+    return found
+
+
+def max_margin(dtype: DTypeLike) -> int:
+    """The largest margin that keeps an amax at or above `dtype`'s smallest normal value: past
+    it every scaled value is flushed (and 2**margin leaves float32's range long before)."""
+    finfo = jnp.finfo(dtype)
+    return int(math.log2(float(finfo.max) / float(finfo.smallest_normal)))
 
 
 def fp8_max(dtype: DTypeLike) -> float:
@@ -60,6 +88,9 @@ def compute_scale(
       >>> compute_scale(jnp.array([2.0, 0.0, 3.0]), 1.0, E4M3, power_of_two=True)
       Array([128.,   1., 128.], dtype=float32)
     """
+    dtype = float8_dtype(dtype)
+    margin = whole_number(margin, "margin", low=0, high=max_margin(dtype))
+    power_of_two = check_bool(power_of_two, "power_of_two")
     amax = jnp.asarray(amax, jnp.float32)
     new = (np.float32(fp8_max(dtype)) / amax) / np.float32(2.0**margin)
     if power_of_two:
@@ -81,6 +112,7 @@ def quantize(x: jax.Array, dtype: DTypeLike, scale: ArrayLike) -> jax.Array:
       >>> quantize(jnp.array([1.0, 1000.0, -jnp.inf]), E4M3, 1.0).astype(jnp.float32)
       Array([  1., 448.,  nan], dtype=float32)
     """
+    dtype = float8_dtype(dtype)
     top = np.float32(fp8_max(dtype))
     wide = x.astype(jnp.float32)
     scaled = jnp.clip(wide * jnp.asarray(scale, jnp.float32), -top, top)

@@ -91,6 +91,12 @@ def agree(finite: jax.Array, axis_name: Hashable | None) -> jax.Array:
     """`finite` (bool), True only where it is True on every device of `axis_name` (None: as is)."""
     if axis_name is None:
         return finite
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or any(not isinstance(n, str) for n in names):
+        raise TypeError(
+            "Expected a mapped axis name (a string, e.g. 'batch', or a tuple of them) or None "
+            f"for `axis_name`, got {axis_name!r}."
+        )
     return lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
 
