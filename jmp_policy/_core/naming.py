@@ -172,22 +172,43 @@ def _stands_for(module: Any, outer: tuple[str, ...]) -> tuple[str, ...] | None:
     return found.pop() if len(found) == 1 else None
 
 
+class _Patches:
+    """The classes' own `__call__`s while any thread names modules: patched when the first
+    thread enters `module_names`, restored when the last one leaves, under one lock (threads
+    that entered on their own each recorded the other's wrapper as the original, and the last
+    to leave restored a wrapper)."""
+
+    lock = threading.Lock()
+    originals: dict[type, Any] = {}
+    users = 0
+
+
 @contextlib.contextmanager
 def module_names() -> Iterator[None]:
-    """Within: NNX and Equinox module calls run in a name scope of their module path."""
+    """Within: NNX and Equinox module calls run in a name scope of their module path (in the
+    calling thread; other threads' calls pass through)."""
     if active():
         yield
         return
-    patched = {cls: vars(cls)["__call__"] for base in _bases() for cls in _classes_with_call(base)}
+    with _Patches.lock:
+        if _Patches.users == 0:
+            _Patches.originals = {
+                cls: vars(cls)["__call__"] for base in _bases() for cls in _classes_with_call(base)
+            }
+            for cls, original in _Patches.originals.items():
+                type.__setattr__(cls, "__call__", _named(original))
+        _Patches.users += 1
     _STATE.paths, _STATE.stack = {}, []
     try:
-        for cls, original in patched.items():
-            type.__setattr__(cls, "__call__", _named(original))
         yield
     finally:
-        for cls, original in patched.items():
-            type.__setattr__(cls, "__call__", original)
         _STATE.paths = _STATE.stack = None
+        with _Patches.lock:
+            _Patches.users -= 1
+            if _Patches.users == 0:
+                for cls, original in _Patches.originals.items():
+                    type.__setattr__(cls, "__call__", original)
+                _Patches.originals = {}
 
 
 # --- module paths from name stacks ---------------------------------------------------

@@ -1,0 +1,86 @@
+"""autocast, `precision_report` and `debug_precision` from 8 threads at once (issue 71,
+point 6): each call gets what it gets alone (the debugger's layer names included), and every
+module class is left with its own `__call__`."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_policy as jmp
+
+eqx = pytest.importorskip("equinox")
+
+
+class _EqxMLP(eqx.Module):
+    layers: tuple
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        self.layers = tuple(eqx.nn.Linear(8, 8, key=k) for k in keys)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(jax.vmap(layer)(x))
+        return jnp.sum(x**2)
+
+
+class _NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.first = nnx.Linear(8, 8, rngs=rngs)
+        self.second = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.sum(jnp.tanh(self.second(jnp.tanh(self.first(x)))) ** 2)
+
+
+def _calls(model, x):
+    """The three routes on one model: what each gives, in a form to compare."""
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+
+        def loss(state, x):
+            return nnx.merge(graphdef, state)(x)
+
+        args = (state, x)
+    else:
+        loss, args = (lambda m, x: m(x)), (model, x)
+    debug = jmp.debug_precision(loss, *args)
+    report = jmp.precision_report(jmp.autocast(loss), *args)
+    out = jmp.autocast(loss)(*args)
+    return (
+        tuple((s.layer, s.direction, s.count, s.amax) for s in debug.layers),
+        tuple(sorted((k, tuple(sorted(v.items()))) for k, v in report.counts.items())),
+        np.asarray(out).tobytes(),
+    )
+
+
+def _own_calls() -> dict:
+    classes, todo = {}, [eqx.Module, nnx.Module]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if "__call__" in vars(cls):
+            classes[cls] = vars(cls)["__call__"]
+    return classes
+
+
+@pytest.mark.parametrize("kind", ["equinox", "nnx"])
+def test_eight_threads_get_the_single_threaded_results_and_leave_every_class_as_it_was(kind):
+    model = _EqxMLP(jax.random.key(0)) if kind == "equinox" else _NnxMLP(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    before = _own_calls()
+    alone = _calls(model, x)
+    names = {layer for layer, *_ in alone[0]}
+    assert len(names) >= 3, names  # the layers are named, so a lost name shows
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: _calls(model, x), range(16)))
+    assert all(r == alone for r in results), [r == alone for r in results]
+    after = _own_calls()
+    assert after.keys() == before.keys()
+    assert all(after[cls] is own for cls, own in before.items())
