@@ -92,8 +92,8 @@ def skip_cause(step, applied, vetoes):
     cause = jnp.zeros((), jnp.int32)
     for part, veto in reversed(list(vetoes)):
         cause = jnp.where(veto, part.skip_cause or 0, cause)
-    cause = jnp.where(~step.finite, SkipCause.NON_FINITE_GRADIENTS, cause)
-    cause = jnp.where(~step.loss_finite, SkipCause.NON_FINITE_LOSS, cause)
+    cause = jnp.where(step.finite, cause, SkipCause.NON_FINITE_GRADIENTS)
+    cause = jnp.where(step.loss_finite, cause, SkipCause.NON_FINITE_LOSS)
     return jnp.where(applied, 0, cause).astype(jnp.int32)
 
 
