@@ -103,9 +103,10 @@ def check_given(
         )
     check_params(grads, "updates")
     given = _structure(grads)
-    _same_structure(given, _structure(structure_of(state.parts[0])), "updates", "params at init")
+    grads_are = "the gradients (`updates`)"
+    _same_structure(given, _structure(structure_of(state.parts[0])), grads_are, "`init`'s params")
     if params is not None:
-        _same_structure(given, _structure(params), "updates", "params")
+        _same_structure(given, _structure(params), grads_are, "`params`")
     _same_structure(
         _structure(state.inner_state),
         _structure(jax.eval_shape(inner.init, grads)),
