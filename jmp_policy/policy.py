@@ -126,8 +126,8 @@ def normalise_dtype(value: Any, argument: str) -> np.dtype:
         raise TypeError(f"Expected a floating dtype ({accepted}) for `{argument}`, got {value!r}.")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
-            f"Expected a floating dtype ({accepted}) for `{argument}`, got {dtype.name}: a "
-            "policy only ever casts floating values."
+            f"Expected a floating dtype ({accepted}) for `{argument}`, got {dtype.name}, "
+            "which is not one."
         )
     if dtype not in _JAX_FLOATS:
         raise TypeError(

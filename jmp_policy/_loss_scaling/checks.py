@@ -24,6 +24,7 @@ from jmp_policy._loss_scaling.parts import Part
 from jmp_policy._loss_scaling.records import Records, structure_of
 from jmp_policy._loss_scaling.spikes import SkipSpikes, Spikes
 from jmp_policy._loss_scaling.state import LossScalingState
+from jmp_policy.policy import normalise_dtype
 
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
@@ -52,14 +53,7 @@ def check_arguments(
             "Expected a jmp_policy.scaling.SkipSpikes (e.g. SkipSpikes(threshold=10.0)) or None "
             f"for `skip_spikes`, got {type(skip_spikes).__name__}."
         )
-    try:
-        judged_in = np.dtype(jnp.dtype(stats_dtype))
-    except TypeError:
-        judged_in = None
-    if judged_in is None or stats_dtype is None or not jnp.issubdtype(judged_in, jnp.floating):
-        raise TypeError(
-            f"Expected a floating dtype such as 'float16' for `stats_dtype`, got {stats_dtype!r}."
-        )
+    judged_in = normalise_dtype(stats_dtype, "stats_dtype")
     parts: list[Part] = [Records()]
     if stats_every is not None:
         parts.append(Statistics(whole_number(stats_every, "stats_every", low=1), judged_in))
@@ -89,8 +83,8 @@ def check_given(
     params: Any,
     value: Any,
 ) -> jax.Array | None:
-    """`update`'s arguments checked against the state and each other; returns `value` as a
-    float32-or-wider array (None where not given)."""
+    """`update`'s arguments checked against the state and each other; returns `value` as an
+    array (a Python number in float32; None where not given)."""
     _check_state(state)
     have = tuple(type(s).__name__ for s in state.parts)
     expected = tuple(p.state_type.__name__ for p in parts)
