@@ -305,7 +305,7 @@ def test_value_and_scaled_grad_takes_argnums_as_jax_does(argnums):
     state = tx.init(args)
     try:
         expected = jax.value_and_grad(_loss, argnums=argnums)(*args)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, StopIteration):  # jax 0.8.3: StopIteration for [0, 0]
         expected = None
     got = _outcome(lambda: jmp.value_and_scaled_grad(_loss, argnums=argnums)(state, *args))
     if got is None:
