@@ -1,6 +1,7 @@
-"""The state of `loss_scaling` (`LossScalingState`, checked when `update` gets it) and how a
-train step reads it from any optimizer state: `find_loss_scaling_state`, `get_loss_scale` (the
-scale the loss is multiplied by) and `unless_skipped` (a skipped step keeps the model state)."""
+"""The state of `loss_scaling` (`LossScalingState`: what every configuration needs, and its
+parts' states) and how a train step reads it from any optimizer state:
+`find_loss_scaling_state`, `get_loss_scale` (the scale the loss is multiplied by) and
+`unless_skipped` (a skipped step keeps the model state)."""
 
 from __future__ import annotations
 
