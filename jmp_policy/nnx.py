@@ -73,7 +73,7 @@ class _AtUse:
         model's state (batch statistics, RNG counts) updated as the call left it; `check`:
         the program (traced once, the call's) checked for float32 matmuls first."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        program = next((p for g, p in self.programs if g == graphdef), None)
+        program: Any = next((p for g, p in self.programs if g == graphdef), None)
         if program is None:
             program = cast_at_use(
                 _functional(graphdef, scoped), weights_in_float32=self.weights_in_float32

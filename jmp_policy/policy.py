@@ -111,9 +111,9 @@ def normalise_dtype(value: Any, argument: str) -> np.dtype:
     if isinstance(value, str) and value.strip() in ("half", *_DTYPE_ALIASES):
         value = value.strip()
         return half_dtype() if value == "half" else np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
-    if isinstance(value, (np.ndarray, jax.Array)):  # NumPy reads an array as its dtype, warning
+    if isinstance(value, (np.ndarray, jax.Array, np.generic)):  # NumPy reads a value's dtype
         raise TypeError(
-            f"Expected a floating dtype ({accepted}) for `{argument}`, got an array; pass its "
+            f"Expected a floating dtype ({accepted}) for `{argument}`, got a value; pass its "
             "`.dtype`."
         )
     dtype = named_dtype(value) if isinstance(value, str) else None

@@ -15,7 +15,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jmp_policy._core.validation import check_bool, whole_number
 from jmp_policy.block_scaled import MODES
-from jmp_policy.policy import BLOCK_FORMATS, named_dtype
+from jmp_policy.policy import BLOCK_FORMATS, normalise_dtype
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -34,16 +34,11 @@ SCALINGS = ("tensorwise", "rowwise")
 def float8_dtype(dtype: Any, argument: str = "dtype") -> np.dtype:
     """`dtype` checked: a float8 dtype (e4m3fn, e5m2 or another this JAX knows), given as a
     dtype, a type or its full name."""
-    found = named_dtype(dtype) if isinstance(dtype, str) else None
-    if not isinstance(dtype, (str, np.ndarray, np.generic, jax.Array, bool, int, float)):
-        try:
-            found = np.dtype(jnp.dtype(dtype))
-        except TypeError:
-            found = None
-    if found is None or not found.name.startswith("float8_"):
+    found = normalise_dtype(dtype, argument)
+    if not found.name.startswith("float8_"):
         raise TypeError(
             f"Expected a float8 dtype (jmp_policy.fp8.E4M3, E5M2 or a name such as "
-            f"'float8_e4m3fn') for `{argument}`, got {dtype!r}."
+            f"'float8_e4m3fn') for `{argument}`, got {found.name}."
         )
     return found
 

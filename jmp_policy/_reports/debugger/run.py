@@ -21,21 +21,13 @@ from jmp_policy._reports.debugger.interpreter import _Collector
 from jmp_policy._reports.debugger.names import _hoisted, _renamed
 from jmp_policy._reports.debugger.report import OpError, PrecisionDebugReport
 from jmp_policy._reports.debugger.values import _Accumulator, _all_finite
-from jmp_policy.policy import is_floating_array, named_dtype
+from jmp_policy.policy import is_floating_array, normalise_dtype
 
 
 def _target_dtype(dtype: DTypeLike) -> np.dtype:
-    target = None
-    # A dtype, a type or a name; not a value (NumPy reads `np.float32(0.0)` as its dtype).
-    if isinstance(dtype, str):
-        target = named_dtype(dtype)
-    elif not isinstance(dtype, (np.generic, np.ndarray, jax.Array, int, float, complex)):
-        try:
-            target = jnp.dtype(dtype)
-        except TypeError:
-            target = None
+    target = normalise_dtype(dtype, "dtype")
     allowed = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32")
-    if target is None or target.name not in allowed:
+    if target.name not in allowed:
         raise TypeError(f"Expected one of {allowed} for `dtype`, got {dtype!r}.")
     return target
 
