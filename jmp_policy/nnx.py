@@ -23,7 +23,7 @@ from flax import nnx
 from jmp_policy import matmul
 from jmp_policy._core.compat import nnx_promote_dtype, set_variable_value, variable_value
 from jmp_policy._core.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
-from jmp_policy._core.pytree import signature
+from jmp_policy._core.pytree import ByEquality, signature
 from jmp_policy._core.tracing import traced_once
 from jmp_policy._flax.fp8_layers import NnxDelayedDot, layer_recipe
 from jmp_policy._flax.layers import (
@@ -63,9 +63,7 @@ class _AtUse:
     """The model's `autocast.cast_at_use` programs, one per graph (a static attribute)."""
 
     def __init__(self, weights_in_float32: bool):
-        # (graphdef, program) pairs, found by equality: a graph's static attributes are the
-        # user's objects (a config holding a list), which need not be hashable.
-        self.programs: list[tuple[Any, Any]] = []
+        self.programs = ByEquality()  # one per graph definition
         self.weights_in_float32 = weights_in_float32
 
     def call(self, model, scoped, args, kwargs, check: bool = False):
@@ -73,12 +71,12 @@ class _AtUse:
         model's state (batch statistics, RNG counts) updated as the call left it; `check`:
         the program (traced once, the call's) checked for float32 matmuls first."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        program: Any = next((p for g, p in self.programs if g == graphdef), None)
-        if program is None:
-            program = cast_at_use(
+        program: Any = self.programs.get(
+            graphdef,
+            lambda: cast_at_use(
                 _functional(graphdef, scoped), weights_in_float32=self.weights_in_float32
-            )
-            self.programs.append((graphdef, program))
+            ),
+        )
         if check:
             _check(program.traced_program(params, rest, args, kwargs))
         out, state = program(params, rest, args, kwargs)

@@ -101,6 +101,17 @@ def named_dtype(name: str) -> np.dtype | None:
     return dtype if dtype.name == name else None
 
 
+def _string_dtype(value: str) -> np.dtype | None:
+    """The dtype a string names: jmp's short names ("f16", "bf16", "f32", "half", ...), or a
+    full dtype name; None for anything else."""
+    value = value.strip()
+    if value == "half":
+        return half_dtype()
+    if value in _DTYPE_ALIASES:
+        return np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
+    return named_dtype(value)
+
+
 def normalise_dtype(value: Any, argument: str) -> np.dtype:
     """`value` as a NumPy dtype: one of JAX's floating dtypes, given as a dtype, a type or a
     name (jmp's short names too: "f16", "bf16", "f32", "half"). None is refused, not read as
@@ -108,15 +119,12 @@ def normalise_dtype(value: Any, argument: str) -> np.dtype:
     accepted = "float16, bfloat16, float32, float64 or a float8 dtype"
     if value is None:
         raise TypeError(f"Expected a floating dtype ({accepted}) for `{argument}`, got None.")
-    if isinstance(value, str) and value.strip() in ("half", *_DTYPE_ALIASES):
-        value = value.strip()
-        return half_dtype() if value == "half" else np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
     if isinstance(value, (np.ndarray, jax.Array, np.generic)):  # NumPy reads a value's dtype
         raise TypeError(
             f"Expected a floating dtype ({accepted}) for `{argument}`, got a value; pass its "
             "`.dtype`."
         )
-    dtype = named_dtype(value) if isinstance(value, str) else None
+    dtype = _string_dtype(value) if isinstance(value, str) else None
     if dtype is None and not isinstance(value, str):
         try:
             dtype = jnp.dtype(value)
@@ -284,13 +292,9 @@ def _unknown_policy_name(name: str, argument: str = "policy_name") -> ValueError
 
 def _parse_dtype(value: str, policy_name: str, argument: str = "policy_name") -> np.dtype:
     value = value.strip()
-    if value == "half":
-        return half_dtype()
-    if value in _DTYPE_ALIASES:
-        return np.dtype(jnp.dtype(_DTYPE_ALIASES[value]))
-    # Any other floating dtype name JAX knows (e.g. float8_e4m3fn), so that `str(policy)`
-    # round-trips for every policy.
-    dtype = named_dtype(value)
+    # jmp's names, or any other floating dtype name JAX knows (e.g. float8_e4m3fn), so that
+    # `str(policy)` round-trips for every policy.
+    dtype = _string_dtype(value)
     if dtype is not None and dtype in _JAX_FLOATS:
         return dtype
     accepted = ", ".join(["half", *_DTYPE_ALIASES])

@@ -24,7 +24,13 @@ from jmp_policy._autocast.programs import _eval_closed
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import naming as _naming
 from jmp_policy._core import rules as _rules
-from jmp_policy._core.pytree import is_traced_leaf, nnx_graphdefs, write_back, written_back
+from jmp_policy._core.pytree import (
+    ByEquality,
+    is_traced_leaf,
+    nnx_graphdefs,
+    write_back,
+    written_back,
+)
 from jmp_policy._fp8.state import Sites
 from jmp_policy.fp8 import DelayedScaling
 
@@ -40,10 +46,7 @@ class _Autocast:
         self._static_argnames = static_argnames
         self._cast_inputs = cast_inputs
         self._region_name = region_name
-        # (signature, program) pairs, found by equality: a signature holds NNX graph
-        # definitions, whose static attributes are the user's objects (a config holding a
-        # list) and need not be hashable.
-        self._cache: list[tuple[Any, Any]] = []
+        self._programs = ByEquality()  # a signature holds NNX graph definitions
 
     @property
     def _recipe(self) -> DelayedScaling | None:
@@ -111,14 +114,15 @@ class _Autocast:
         state_key = tuple((np.shape(x), jnp.result_type(x)) for x in state_leaves)
         key = (in_tree, specs, varying, static_args, static_kwargs, _naming.active(), nnx_key)
         key = (*key, fp8_state is None, state_tree, state_key)
-        program = next((p for k, p in self._cache if k == key), None)
-        if program is None:
+
+        def build():
             fun = self._fun if graphdefs is None else written_back(self._fun, graphdefs)
-            program = self._build(
+            return self._build(
                 fun, in_tree, specs, arrays, dict(static_args), dict(static_kwargs), len(args),
                 None if fp8_state is None else state_tree,
             )  # fmt: skip
-            self._cache.append((key, program))
+
+        program = self._programs.get(key, build)
         return [*arrays, *state_leaves], program
 
     def _build(

@@ -177,3 +177,21 @@ def optimizer_state_of(obj: Any) -> Any:
 
         return pure(obj.opt_state)
     return obj
+
+
+class ByEquality:
+    """Values kept by key and found by `==`, never by hash: a key may hold a user's objects
+    (an NNX graph definition's static attributes, such as a config holding a list) that need
+    not be hashable. For the few programs a function has; a lookup compares each key."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[Any, Any]] = []
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The value kept for `key`, made by `make()` and kept the first time."""
+        for known, value in self._pairs:
+            if known == key:
+                return value
+        value = make()
+        self._pairs.append((key, value))
+        return value

@@ -21,7 +21,7 @@ from jmp_policy._fp8.state import without_states
 from jmp_policy._loss_scaling.gradient_stats import Statistics
 from jmp_policy._loss_scaling.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jmp_policy._loss_scaling.parts import Part
-from jmp_policy._loss_scaling.records import Records, structure_of
+from jmp_policy._loss_scaling.records import Records
 from jmp_policy._loss_scaling.spikes import SkipSpikes, Spikes
 from jmp_policy._loss_scaling.state import LossScalingState
 from jmp_policy.policy import normalise_dtype
@@ -98,7 +98,8 @@ def check_given(
     check_params(grads, "updates")
     given = _structure(grads)
     grads_are = "the gradients (`updates`)"
-    _same_structure(given, _structure(structure_of(state.parts[0])), grads_are, "`init`'s params")
+    init_params = state.nonfinite_leaves.treedef  # the skip records' own structure
+    _same_structure(given, _structure(init_params), grads_are, "`init`'s params")
     if params is not None:
         _same_structure(given, _structure(params), grads_are, "`params`")
     _same_structure(

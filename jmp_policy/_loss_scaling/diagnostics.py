@@ -23,7 +23,7 @@ from jmp_policy._loss_scaling.gradient_stats import (
 )
 from jmp_policy._loss_scaling.leaf_flags import host_value
 from jmp_policy._loss_scaling.loss_scale import DynamicLossScale
-from jmp_policy._loss_scaling.records import SKIP_CAUSES
+from jmp_policy._loss_scaling.records import SKIP_CAUSES, SkipCause
 from jmp_policy._loss_scaling.state import find_loss_scaling_state
 from jmp_policy._reports.census import PrecisionWarning
 from jmp_policy.errors import NonFiniteLossError as NonFiniteLossError  # importable here too
@@ -213,7 +213,7 @@ def _report(state: Any) -> LossScalingReport:
         hint=hint,
         skip_causes=causes,
         last_skip_cause=(
-            SKIP_CAUSES[cause - 1] if (cause := int(host_value(state.last_skip_cause))) else None
+            SkipCause(cause).label if (cause := int(host_value(state.last_skip_cause))) else None
         ),
     )
 

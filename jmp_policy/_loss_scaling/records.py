@@ -95,8 +95,3 @@ def skip_cause(step, applied, vetoes):
     cause = jnp.where(step.finite, cause, SkipCause.NON_FINITE_GRADIENTS)
     cause = jnp.where(step.loss_finite, cause, SkipCause.NON_FINITE_LOSS)
     return jnp.where(applied, 0, cause).astype(jnp.int32)
-
-
-def structure_of(state: SkipRecords) -> Any:
-    """The parameters' structure the records were made for (what gradients must have)."""
-    return state.nonfinite_leaves.treedef
