@@ -89,7 +89,10 @@ def _blocks(x: jax.Array, axes: tuple[int, ...], mode: str) -> tuple[jax.Array, 
         # The scale itself is stored in e4m3; the barrier keeps XLA from folding the cast away.
         scale = jnp.clip(amax / largest, 0, scale_max).astype(config.scale_type)
         scale = lax.optimization_barrier(scale).astype(jnp.float32)
-    values = jnp.clip(blocks / scale, -largest, largest).astype(config.data_type)
+    # A block of zeros has the smallest scale, 2**-127 (MXFP8), a float32 subnormal that
+    # XLA:CPU reads as 0 outside a fused kernel: 0 / 0 there. Its values are zeros.
+    values = jnp.where(amax == 0, 0.0, blocks / scale)
+    values = jnp.clip(values, -largest, largest).astype(config.data_type)
     return values, scale, global_scale
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -64,6 +65,7 @@ from jmp_policy._fp8.scaling import float8_format as float8_format
 from jmp_policy._fp8.scaling import fp8_max as fp8_max
 from jmp_policy._fp8.scaling import quantize as quantize
 from jmp_policy.block_scaled import MODES, block_scaled_dot_general, eligible
+from jmp_policy.errors import PrecisionWarning
 
 FP8_EXCLUDE = ("head", "lm_head", "logits", "[Ee]mbed.*")
 """Module names whose matmuls stay in bfloat16 under `mixed_float8` (the logits head and the
@@ -84,6 +86,22 @@ def fp8_excluded_by(where: str, patterns: tuple[str, ...] = FP8_EXCLUDE) -> str 
         if any(re.fullmatch(pattern, c) for c in components):
             return pattern
     return None
+
+
+def warn_head_in_low_precision(where: str, fmt: str, keep_out: str) -> None:
+    """Warns that the matmul at module path `where`, the last one before the output (found by
+    the program's structure, whatever its name: a language model's logits head), multiplies
+    in `fmt` ("float8", "mxfp8", "nvfp4"); `keep_out` says how the caller's integration keeps
+    it in bfloat16. Heads named like `FP8_EXCLUDE`'s patterns are never in `fmt`."""
+    warnings.warn(
+        PrecisionWarning(
+            f"jmp_policy: {where or '(top level)'} is the last matmul before the output (by "
+            f"the program's structure: a language model's logits head) and it multiplies in "
+            f"{fmt}; only a head named like jmp_policy.fp8.FP8_EXCLUDE's patterns stays in "
+            f"bfloat16 by itself. Keep it in bfloat16 with {keep_out}."
+        ),
+        stacklevel=3,
+    )
 
 
 def fp8_layer(compute_dtype: DTypeLike, where: str) -> bool:
@@ -359,4 +377,5 @@ __all__ = [
     "merge_microbatch",
     "next_state",
     "quantize",
+    "warn_head_in_low_precision",
 ]

@@ -36,9 +36,11 @@ from jmp_policy._flax.layers import (
     fp8_dot_for,
     linen_compute_in,
     linen_softmax_in_float32,
+    note_matmul_layer,
     recomputed,
     recomputes,
     take_over_matmul,
+    warning_if_head_in_low_precision,
 )
 from jmp_policy._flax.linen_paths import Paths, params_and_rest
 from jmp_policy._reports.census import warn_float32_matmuls
@@ -136,6 +138,7 @@ class MixedPrecisionModule:
             fp8_dot = fp8_dot_for(module, policy, path, delayed)
             if fp8_dot is not None:  # the bound module is a per-call clone
                 object.__setattr__(module, "dot_general", fp8_dot)
+            note_matmul_layer(module, "/".join(path), args)
             cast = casting_policy(policy)
             linen_compute_in(module, cast.compute_dtype)
             linen_softmax_in_float32(module, cast)
@@ -346,9 +349,16 @@ class MixedPrecisionModule:
         if "params" in variables:
             params = paths.cast_params(variables["params"], "compute", self.policy)
             variables = {**variables, "params": params}
-        return self._run(
-            lambda: self.module.apply(variables, *args, method=method, mutable=mutable, **kwargs)
-        )
+        with warning_if_head_in_low_precision(_keep_out):
+            return self._run(
+                lambda: self.module.apply(
+                    variables, *args, method=method, mutable=mutable, **kwargs
+                )
+            )
+
+
+def _keep_out(path: str) -> str:
+    return f'overrides={{**overrides, "{path}": jmp_policy.get_policy("mixed_bfloat16")}}'
 
 
 @contextlib.contextmanager

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_policy import matmul
+from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core.compat import nnx_promote_dtype, set_variable_value, variable_value
+from jmp_policy._core.naming import module_path
 from jmp_policy._core.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy._core.pytree import ByEquality, signature
 from jmp_policy._core.tracing import traced_once
@@ -31,9 +33,11 @@ from jmp_policy._flax.layers import (
     attention_with_float32_softmax,
     block_keeps_its_dtype,
     fp8_dot_for,
+    note_matmul_layer,
     recomputed,
     recomputes,
     take_over_matmul,
+    warning_if_head_in_low_precision,
 )
 from jmp_policy._flax.nnx_skip import revert_if_skipped as revert_if_skipped  # public here
 from jmp_policy._reports.census import warn_float32_matmuls
@@ -137,6 +141,7 @@ def _subclass(cls: type, role: str) -> type:
             with contextlib.ExitStack() as scopes:
                 for name in self._jmp_policy_scope:
                     scopes.enter_context(jax.named_scope(name))
+                note_matmul_layer(self, module_path(_jaxpr.current_name_stack()), args)
                 if island is not None:
                     cast, back_to = island
                     return _recomputed(self, base, cast, back_to, args, kwargs)
@@ -162,12 +167,13 @@ def _subclass(cls: type, role: str) -> type:
             # serves the float32-matmul check and the call.
             check = policy.compute_dtype != jnp.float32 and key not in self._jmp_policy_checked.seen
             self._jmp_policy_checked.seen.add(key)
-            if self._jmp_policy_at_use is not None:
-                out = self._jmp_policy_at_use.call(self, scoped, args, kwargs, check)
-            elif check:
-                out = _checked_call(self, scoped, args, kwargs)
-            else:
-                out = scoped(self, *args, **kwargs)
+            with warning_if_head_in_low_precision(_keep_out):
+                if self._jmp_policy_at_use is not None:
+                    out = self._jmp_policy_at_use.call(self, scoped, args, kwargs, check)
+                elif check:
+                    out = _checked_call(self, scoped, args, kwargs)
+                else:
+                    out = scoped(self, *args, **kwargs)
             return policy.cast_to_output(out)
 
         _CLASSES[(base, role)] = type(
@@ -182,6 +188,10 @@ def _subclass(cls: type, role: str) -> type:
             },
         )
     return _CLASSES[(base, role)]
+
+
+def _keep_out(path: str) -> str:
+    return f'overrides={{**overrides, "{path}": jmp_policy.get_policy("mixed_bfloat16")}}'
 
 
 def mixed_precision(

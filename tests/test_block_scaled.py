@@ -316,22 +316,28 @@ def test_every_integration_multiplies_in_the_block_format(mode):
     )
     model = jmp.nnx.mixed_precision(layers, policy)
     # The emulation's matmul is its format's, not a float32 matmul slipped through: the
-    # integrations do not warn of it (they do of a float32 one, `tests/test_flax.py`).
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", jmp.errors.PrecisionWarning)
+    # integrations do not warn of it (they do of a float32 one, `tests/test_flax.py`). They
+    # do warn that the last layer, the head by the program's structure, is in the format
+    # (Linen's is named `head`: it stays in bfloat16).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         linen.apply(variables, x)
         model(x)
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "layers/2 is the last matmul before the output" in said[0], said
     mlp = jmp.eqx.mixed_precision(eqx.nn.MLP(64, 32, 64, 1, key=jax.random.key(2)), policy)
     params = {"w": 0.1 * jax.random.normal(jax.random.key(3), (64, 32))}
-    reports = {
-        "linen": (jmp.precision_report(linen.apply, variables, x), {mode: 1}),
-        "nnx": (jmp.precision_report(lambda m, x: m(x), model, x), {mode: 2}),
-        "eqx": (jmp.precision_report(jax.vmap(mlp), x), {mode: 2}),
-        "autocast": (
-            jmp.precision_report(jmp.autocast(lambda p, x: x @ p["w"], policy), params, x),
-            {mode: 1},
-        ),
-    }
+    # The same warning for the last matmul of the NNX, Equinox and autocast functions.
+    with pytest.warns(jmp.errors.PrecisionWarning, match="is the last matmul before the output"):
+        reports = {
+            "linen": (jmp.precision_report(linen.apply, variables, x), {mode: 1}),
+            "nnx": (jmp.precision_report(lambda m, x: m(x), model, x), {mode: 2}),
+            "eqx": (jmp.precision_report(jax.vmap(mlp), x), {mode: 2}),
+            "autocast": (
+                jmp.precision_report(jmp.autocast(lambda p, x: x @ p["w"], policy), params, x),
+                {mode: 1},
+            ),
+        }
     for name, (report, expected) in reports.items():
         counts = report.counts["dot_general"]
         assert {k: v for k, v in counts.items() if k == mode} == expected, name

@@ -30,7 +30,7 @@ def test_report_fields_and_log_line():
     assert report.loss_scale == 16.0  # grew to 32 after 2 clean steps, halved on the skip
     assert report.last_step_skipped and report.nonfinite_paths == ("['b']['c']",)
     assert str(report) == (
-        "loss scale 16; applied 2, skipped 1 (current run 1); the last step was skipped for "
+        "loss scale 2^4; applied 2, skipped 1 (current run 1); the last step was skipped for "
         "non-finite gradients: the scaled gradients overflowed, which backing off the scale "
         "cures (normal now and then; a loss not passed to update as value=loss counts here "
         "too); last non-finite gradients in ['b']['c']"

@@ -7,6 +7,7 @@ NNX modules' states written back, and float8 delayed scaling's states taken in
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import jax
@@ -157,6 +158,14 @@ class _Autocast:
 
         n_state = 0 if state_tree is None else state_tree.num_leaves
         recipe = self._recipe
+        # Where each input sits in the arguments (`model.out.weight`): what names a matmul
+        # outside any name scope (an Equinox layer's) in a warning.
+        placed = jax.tree_util.tree_flatten_with_path(
+            jax.tree.unflatten(in_tree, list(specs)), is_leaf=lambda x: isinstance(x, _StaticLeaf)
+        )[0]
+        input_names = [
+            _argument_name(path) for path, s in placed if isinstance(s, jax.ShapeDtypeStruct)
+        ]
 
         def region(*flat):
             flat, state = flat[: len(flat) - n_state], flat[len(flat) - n_state :]
@@ -169,6 +178,7 @@ class _Autocast:
             ev = _Evaluation(rules, keeps=keeps, sites=sites, transcendentals=transcendentals)
             for weight in flat[:n_weights] if rules.reduce else ():
                 ev.add_weight(weight)
+            ev.name_inputs(flat[: len(input_names)], input_names)
             try:
                 outs = _eval_closed(closed, list(flat), ev)
             finally:
@@ -249,3 +259,9 @@ def _states_of(args: tuple, graphdefs: dict) -> tuple:
     from flax import nnx
 
     return tuple(nnx.state(a) if i in graphdefs else a for i, a in enumerate(args))
+
+
+def _argument_name(path: tuple) -> str:
+    """An input's place in the arguments as attributes and indices (`model.out.weight`), the
+    argument list's own indices left out."""
+    return re.sub(r"^(\[\d+\])+\.?", "", jax.tree_util.keystr(path))

@@ -17,8 +17,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jmp_policy._autocast.activations import ISLAND, STATISTIC, WEIGHT, kind_of_dtype
 from jmp_policy._core import rules as _rules
+from jmp_policy._core.naming import TOP_LEVEL
 from jmp_policy._fp8.state import Sites
-from jmp_policy.fp8 import float8_format
+from jmp_policy.fp8 import float8_format, warn_head_in_low_precision
 from jmp_policy.policy import Policy, casting_policy
 
 _FLOAT32 = np.dtype(np.float32)
@@ -136,10 +137,14 @@ class _Records:
         self.weights: dict[int, Any] = {}
         self.downcasts: dict[int, tuple[Any, Any]] = {}
         self.open = True
+        # Under a float8 or block-scaled policy: (where, format or None) of the last matmul
+        # evaluated, in program order; the last before the output is the logits head.
+        self.last_matmul: tuple[str, str | None] | None = None
+        self.inputs: dict[int, tuple[Any, str]] = {}  # the region's inputs: their names
 
     def close(self) -> None:
         self.open = False
-        for record in (self.kinds, self.operands, self.weights, self.downcasts):
+        for record in (self.kinds, self.operands, self.weights, self.downcasts, self.inputs):
             record.clear()
 
 
@@ -270,7 +275,30 @@ class _Evaluation:
             self._records.operands[id(x)] = (x, copy)
         return copy
 
+    def name_inputs(self, inputs: Iterable, names: Iterable[str]) -> None:
+        """Names the region's inputs by their places in the arguments (`out.weight`)."""
+        for x, name in zip(inputs, names, strict=True):
+            self._records.inputs[id(x)] = (x, name)
+
+    def note_matmul(self, where: str, fmt: str | None, operands: Iterable) -> None:
+        """A matmul at module path `where` evaluated, in `fmt` (None: in 16 bits); outside any
+        module (an Equinox layer's) it is named by the input among its `operands`."""
+        if where == TOP_LEVEL:
+            named = [n for x in operands if (n := self._found(self._records.inputs, x))]
+            where = f"the matmul on {named[-1]}" if named else where
+        self._records.last_matmul = (where, fmt)
+
     def close(self) -> None:
+        last = self._records.last_matmul
+        if self._records.open and last is not None and last[1] is not None:
+            where = last[0]
+            if where.startswith("the matmul on "):  # an Equinox layer: named by its weight
+                owner = where.removeprefix("the matmul on ").rsplit(".", 1)[0]
+                keep_out = f"overrides={{{owner.replace('.', '/')!r}: 'mixed_bfloat16'}}"
+            else:
+                name = where.rsplit("/", 1)[-1]
+                keep_out = f"fp8_exclude=(*jmp_policy.fp8.FP8_EXCLUDE, {name!r})"
+            warn_head_in_low_precision(where, last[1], keep_out)
         self._records.close()
 
     @staticmethod

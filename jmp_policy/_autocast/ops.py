@@ -28,7 +28,9 @@ from jmp_policy._autocast.evaluation import (
 )
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import rules as _rules
+from jmp_policy._core.naming import module_path
 from jmp_policy._fp8.state import delayed_dot_general
+from jmp_policy.block_scaled import MODES
 from jmp_policy.fp8 import (
     DelayedScaling,
     fp8_dot_general,
@@ -198,9 +200,12 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
         outer = _jaxpr.current_name_stack()
         where = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
         scaling, fmt = rules.fp8
-        if fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, fmt) is None and (
+        low = fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, fmt) is None and (
             fp8_excluded_by(where, rules.fp8_exclude) is None
-        ):
+        )
+        fmt_name = (fmt if fmt in MODES else "float8") if low else None
+        ev.note_matmul(module_path(where), fmt_name, invals)
+        if low:
             with _source_context(eqn):
                 if not isinstance(scaling, DelayedScaling):
                     out = fp8_dot_general(

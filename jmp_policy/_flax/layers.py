@@ -7,7 +7,9 @@ is only how each reaches a module (a Linen clone, an NNX object)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +24,14 @@ from jmp_policy._autocast.activations import softmax_in_float32
 from jmp_policy._core.overrides import is_compute_dtype
 from jmp_policy._core.pytree import split_traced
 from jmp_policy._flax.fp8_layers import is_delayed_dot
-from jmp_policy.fp8 import Fp8DotGeneral, float8_format, fp8_layer
+from jmp_policy.block_scaled import MODES
+from jmp_policy.fp8 import (
+    Fp8DotGeneral,
+    float8_format,
+    fp8_eligible,
+    fp8_layer,
+    warn_head_in_low_precision,
+)
 from jmp_policy.policy import BLOCK_FORMATS, Policy, cast_floating, is_floating_array
 
 LINEN_NORMS = (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm)
@@ -102,6 +111,49 @@ def fp8_dot_for(
 
 
 _ABSENT = object()
+
+
+class _LastMatmul(threading.local):
+    """The last matmul layer a policy's forward pass called, in this thread: (its module path,
+    the format it multiplies in, or None for 16 bits)."""
+
+    layer: tuple[str, str | None] | None = None
+
+
+_LAST_MATMUL = _LastMatmul()
+
+
+def note_matmul_layer(module: Any, where: str, args: tuple) -> None:
+    """Notes a call of a Dense/Linear-like layer (one with a `dot_general`) at module path
+    `where` with these arguments, for `warn_if_head_in_low_precision`."""
+    dot = getattr(module, "dot_general", _ABSENT)
+    if dot is _ABSENT or not hasattr(module, "dtype"):
+        return
+    fmt = None
+    if any(dot is ours for ours in _POLICY_FP8_DOTS.values()) or is_delayed_dot(dot):
+        fmt = getattr(dot, "fmt", "hybrid")
+        k = getattr(args[0], "shape", (0,))[-1] if args else 0
+        n = getattr(module, "features", getattr(module, "out_features", 16))
+        n = int(np.prod(n)) if isinstance(n, (int, tuple)) else 16
+        if fp8_eligible((1, k), (k, n), (((1,), (0,)), ((), ())), fmt) is not None:
+            fmt = None  # too small: it multiplies in bfloat16
+    _LAST_MATMUL.layer = (where, None if fmt is None else fmt if fmt in MODES else "float8")
+
+
+@contextlib.contextmanager
+def warning_if_head_in_low_precision(keep_out: Callable[[str], str]) -> Any:
+    """Around a policy's forward pass: afterwards, warns when the last matmul layer it called
+    (the logits head, by the program's structure) multiplies in float8 or a block-scaled
+    format (`jmp_policy.fp8.warn_head_in_low_precision`; `keep_out(path)` says how to keep
+    it in bfloat16)."""
+    outer, _LAST_MATMUL.layer = _LAST_MATMUL.layer, None
+    try:
+        yield
+        last = _LAST_MATMUL.layer
+        if last is not None and last[1] is not None:
+            warn_head_in_low_precision(last[0], last[1], keep_out(last[0]))
+    finally:
+        _LAST_MATMUL.layer = outer
 
 
 def block_keeps_its_dtype(x: Any, out: Any, compute: Any) -> Any:

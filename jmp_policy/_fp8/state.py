@@ -160,6 +160,13 @@ def written(updates: Any, grads: tuple[list, Any], params: Any, applied: jax.Arr
     return jax.tree.unflatten(treedef, out)
 
 
+def stepped(grad: Fp8DotState, old: Fp8DotState) -> Fp8DotState:
+    """The state an applied step writes from `grad`, the gradient of a state `old` that a
+    policy's matmuls used (its next value, summed over its uses, which `grad_amax` counts);
+    `old` where it was not used."""
+    return jax.tree.map(jnp.add, old, _write(grad, old, jnp.asarray(True)))
+
+
 def _write(grad: Fp8DotState, old: Fp8DotState, applied: jax.Array) -> Fp8DotState:
     count = grad.grad_amax  # uses this step (summed, as gradients are)
     write = applied & (count > 0)

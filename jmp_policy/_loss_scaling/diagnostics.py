@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
+from jmp_policy._core.text import format_scale
 from jmp_policy._core.validation import MANY_SPIKES, warn_once_per_mistake
 from jmp_policy._loss_scaling.gradient_stats import (
     GradientStats as GradientStats,  # its public home
@@ -79,7 +80,7 @@ class LossScalingReport:
 
     def __str__(self) -> str:
         text = (
-            f"loss scale {self.loss_scale:g}; applied {self.applied_steps}, skipped "
+            f"loss scale {format_scale(self.loss_scale)}; applied {self.applied_steps}, skipped "
             f"{self.skipped_steps} (current run {self.nonfinite_run})"
         )
         counted = {cause: n for cause, n in self.skip_causes.items() if n}

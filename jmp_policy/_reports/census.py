@@ -375,7 +375,22 @@ def _why_not_fp8(eqn: JaxprEqn) -> tuple[str, str, str]:
     pattern = fp8_excluded_by(where)
     if reason is None and pattern is not None and dtype == "bfloat16":
         reason = f"module name matches {pattern!r} (jmp_policy.fp8.FP8_EXCLUDE, the default)"
-    return dtype, reason or f"left in {dtype}", where
+    return dtype, reason or _why_left(str(eqn.source_info.name_stack), dtype), where
+
+
+def _why_left(name_stack: str, dtype: str) -> str:
+    """Why an eligible matmul, not excluded by name, is not in float8: its cause."""
+    if FULL_PRECISION_REGION in name_stack:
+        return "inside a `full_precision` region"
+    if FLOAT32_ISLAND in name_stack:
+        return "its module is kept in float32 by an override"
+    if dtype == "float32":
+        return "its operands are float32 (the model's own cast, or a layer's dtype)"
+    return (
+        "not a Dense/Linear layer's own matmul: linen/nnx.mixed_precision give float8 to "
+        "Dense, DenseGeneral, Linear and LinearGeneral layers only (attention's scores and "
+        f"weighted sum, an einsum, a layer's `x @ w` stay in {dtype})"
+    )
 
 
 def precision_report(

@@ -104,14 +104,16 @@ class PrecisionStats:
         return PrecisionDebugReport(
             dtype=self.dtype,
             loss_scale=1.0,
-            layers=_layer_stats({k: v for k, v in raw.items() if len(k) == 2}, largest, 1.0),
+            layers=_layer_stats(
+                {k: v for k, v in raw.items() if len(k) == 2}, largest, 1.0, self.dtype
+            ),
             origin=None,
             nonfinite_inputs=(),
             loss=float(loss),
             matmul_layers=_renamed(self.matmul_layers, hoisted),
             judged=self.judged,
             target_layers=_layer_stats(
-                {k[:2]: v for k, v in raw.items() if len(k) == 3}, largest, 1.0
+                {(*k[:2], self.dtype): v for k, v in raw.items() if len(k) == 3}, largest, 1.0
             ),
             float32_layers=_renamed(self.float32_layers, hoisted),
         )

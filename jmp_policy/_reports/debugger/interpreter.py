@@ -125,13 +125,39 @@ class _Interpreter:
 
 
 class _Host:
-    """Records operations with their values on the host: statistics, op errors, the first
-    inf/NaN."""
+    """Records operations with their values on the host: statistics, op errors, and the first
+    inf/NaN that the program's loss or gradients carry.
+
+    Every non-finite value carries the set of operations that made an inf/NaN it comes from
+    (by the value's place in `kept`). A value a `select` discards (the scale `max / amax` of an
+    empty amax history, which a `where` replaces) carries nothing on, so it is not an inf of
+    the program; `origin` is the first operation whose inf/NaN reaches the loss or a gradient.
+    """
 
     def __init__(self, acc: _Accumulator):
         self.acc = acc
         self.origin: NonFiniteOrigin | None = None
         self.passed_on = 0
+        self._made: list[tuple[NonFiniteOrigin, bool]] = []  # (where, only a mask's -inf)
+        self._carried: dict[int, frozenset[int]] = {}  # kept index -> the `_made` it carries
+        self._passes: list[frozenset[int]] = []  # what each operation that passed one on carried
+
+    def _carries(self, refs: Sequence[tuple[bool, Any]]) -> frozenset[int]:
+        found: frozenset[int] = frozenset()
+        for traced, index in refs:
+            if traced:
+                found |= self._carried.get(index, frozenset())
+        return found
+
+    def _mark(self, refs: Sequence[tuple[bool, Any]], values: Sequence[Any], made) -> None:
+        for (traced, index), value in zip(refs, values, strict=True):
+            if traced and made and not _all_finite([value]):
+                self._carried[index] = made
+
+    def passed(self, in_refs: list, out_refs: list, outs: list) -> None:
+        """Values moved without an operation on them (a loop's stacked outputs, a branch's
+        selected ones): they carry what their inputs carried."""
+        self._mark(out_refs, outs, self._carries(in_refs))
 
     def record(
         self,
@@ -142,6 +168,8 @@ class _Host:
         invals: list,
         outs: list,
         rerun: list | None,
+        in_refs: list,
+        out_refs: list,
     ) -> None:
         floats = [o for o in outs if is_floating_array(o)]
         from_mask = _carries_mask(invals)
@@ -153,15 +181,33 @@ class _Host:
         if not floats or _all_finite(floats):
             return
         # A mask (1e30 or more, or its dtype's largest value) cast to or carried into a dtype
-        # that cannot hold it becomes -inf: still a mask, not an overflow. A NaN is never one.
+        # that cannot hold it becomes -inf: still a mask, not an overflow, unless it reaches
+        # the loss. A NaN is never one.
         mask_carried = from_mask and not any(
             np.isnan(np.asarray(o, np.float64)).any() for o in floats
         )
-        if _all_finite(invals) and not mask_carried:
-            if self.origin is None:
-                self.origin = NonFiniteOrigin(eqn.primitive.name, key[0], key[1], _source(eqn), 0)
+        if _all_finite(invals):
+            where = NonFiniteOrigin(eqn.primitive.name, key[0], key[1], _source(eqn), 0)
+            self._made.append((where, mask_carried))
+            made = frozenset([len(self._made) - 1])
         else:
-            self.passed_on += 1
+            made = self._carries(in_refs)
+            self._passes.append(made)
+        self._mark(out_refs, outs, made)
+
+    def finish(self, output_refs: list, outputs: list) -> None:
+        """Sets `origin` (and `passed_on`) from what the program's outputs carry: the first
+        inf/NaN made by an operation, a mask's -inf only where nothing else reached them."""
+        reached = set()
+        for ref, value in zip(output_refs, outputs, strict=True):
+            if not _all_finite([value]):
+                reached |= self._carries([ref])
+        if not reached:
+            return
+        real = [i for i in sorted(reached) if not self._made[i][1]]
+        first = (real or sorted(reached))[0]
+        self.origin = self._made[first][0]
+        self.passed_on = sum(first in carried for carried in self._passes)
 
 
 def _merge_flags(runs: Sequence[Sequence[tuple[bool, bool]]]) -> list[tuple[bool, bool]]:
@@ -184,6 +230,7 @@ class _Collector(_Interpreter):
     def __init__(self, acc: _Accumulator, trip_counts: dict | None = None):
         self.acc = acc
         self.records: list = []
+        self.output_refs: list = []
         self.kept: list = []
         self._index: dict[int, int] = {}
         self.trip_counts = trip_counts or {}
@@ -220,7 +267,10 @@ class _Collector(_Interpreter):
             self.flags_out = _merge_flags(flags)
             if len(runs) == 1:
                 return runs[0]
-            return [jax.lax.select_n(index, *values) for values in zip(*runs, strict=True)]
+            chosen = [jax.lax.select_n(index, *values) for values in zip(*runs, strict=True)]
+            for values, out in zip(zip(*runs, strict=True), chosen, strict=True):
+                self._passed(list(values), [out])
+            return chosen
         if primitive is _jaxpr.SCAN:
             nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
             consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
@@ -243,6 +293,8 @@ class _Collector(_Interpreter):
                 ys.reverse()
             empty = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
             stacked = [jnp.stack(y) for y in zip(*ys, strict=True)] if ys else empty
+            for y, out in zip(zip(*ys, strict=True), stacked, strict=True):
+                self._passed(list(y), [out])
             self.flags_out = [
                 *carry_flags,
                 *(_merge_flags(ys_flags) if ys else in_flags[nc + nk :]),
@@ -271,6 +323,15 @@ class _Collector(_Interpreter):
             carry_flags = self.flags_out
         self.flags_out = carry_flags
         return list(carry)
+
+    def _passed(self, invals: list, outs: list) -> None:
+        """Values moved without an operation (`_Host.passed`)."""
+        refs = ([self._keep(v) for v in invals], [self._keep(o) for o in outs])
+        self.records.append((tuple(self._guards), None, None, None, False, *refs, None))
+
+    def keep_outputs(self, outs: Sequence[Any]) -> None:
+        """The program's outputs (the loss and its gradients), for `_Host.finish`."""
+        self.output_refs = [self._keep(o) for o in outs]
 
     def _keep(self, value: Any) -> tuple[bool, Any]:
         if isinstance(value, jax.Array):  # traced (or a constant): an output of the program
@@ -316,8 +377,13 @@ class _Collector(_Interpreter):
         for guards, eqn, key, island, from_literals, invals, outs, rerun in self.records:
             if any(int(np.asarray(kept[index])) != branch for index, branch in guards):
                 continue  # a branch the program did not take
+            if eqn is None:
+                host.passed(invals, outs, get(outs))
+                continue
             rerun = None if rerun is None else get(rerun)
-            host.record(eqn, key, island, from_literals, get(invals), get(outs), rerun)
+            values = get(invals), get(outs)
+            host.record(eqn, key, island, from_literals, *values, rerun, invals, outs)
+        host.finish(self.output_refs, get(self.output_refs))
         return host
 
 

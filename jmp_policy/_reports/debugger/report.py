@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._core import jaxpr as _jaxpr
+from jmp_policy._core.text import format_scale as _power
+from jmp_policy._core.text import short_dtype as _short
 from jmp_policy._reports.debugger.names import TOP_LEVEL, _module_path
+
+
+def _scaled(dtype: str) -> bool:
+    """float8 and float4 values: held with a scale of their own."""
+    return jnp.dtype(dtype).itemsize == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,7 @@ class LayerStats:
     headroom: float
     nonfinite: float
     underflow_mass: float = 0.0
+    dtype: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +119,13 @@ class PrecisionDebugReport:
         dtype (`layers` has all values); `advice` reads these.
       float32_layers: the layers a policy override or a `full_precision` region keeps in
         float32 (not judged; `advice` keeps them in its overrides).
+      held_dtypes: under a policy judged in its own dtypes (`debug_precision(dtype=None)`),
+        the dtypes it holds values in; each row of `target_layers` is judged in its `dtype`.
+      warmed_states: how many fresh float8 delayed-scaling states were judged with the scales
+        one step gives them (an empty history's scale 1 is used only by a run's first steps).
+      finite_scale: under a policy, the largest power of two, at most the statistics' advised
+        initial scale, at which the program's loss and gradients came out finite when run
+        there (None: not run; the loss ran in float32). `advice` takes the smaller.
     """
 
     dtype: str
@@ -124,21 +139,38 @@ class PrecisionDebugReport:
     judged: str = "all"
     target_layers: tuple[LayerStats, ...] = ()
     float32_layers: tuple[str, ...] = ()
+    held_dtypes: tuple[str, ...] = ()
+    warmed_states: int = 0
+    finite_scale: float | None = None
 
     def __str__(self) -> str:
         loss = "" if math.isnan(self.loss) else f" (loss {self.loss:.6g})"
+        judged_in = ", ".join(self.held_dtypes) if self.held_dtypes else self.dtype
         lines = [
-            f"precision of the loss's values in {self.dtype}, gradients at loss scale "
-            f"{self.loss_scale:g}{loss}",
+            f"precision of the loss's values in {judged_in}, gradients at loss scale "
+            f"{_power(self.loss_scale)}{loss}",
             "",
-            f"{'layer':<44}{'dir':<5}{'amax':>10}{'min>0':>10}{'range':>7}"
-            f"{'under%':>8}{'over%':>7}{'headroom':>9}{'nan/inf%':>9}",
         ]
         if self.judged == "target":  # what the policy keeps in float32 cannot overflow it
-            lines.insert(1, f"(values the policy holds in {self.dtype}; `layers` has them all)")
-        for s in self.shown_layers:
+            lines.insert(1, f"(values the policy holds in {judged_in}; `layers` has them all)")
+        if self.warmed_states:
+            lines.insert(
+                1,
+                f"({self.warmed_states} fresh float8 delayed-scaling states judged with the "
+                "scales one step on these arguments gives them)",
+            )
+        shown = self.shown_layers
+        width = max([len("layer"), *(len(s.layer) for s in shown)]) + 2
+        kinds = len({s.dtype for s in shown}) > 1
+        lines.append(
+            f"{'layer':<{width}}{'dir':<5}{'dtype    ' if kinds else ''}{'amax':>10}{'min>0':>10}"
+            f"{'range':>7}{'under%':>8}{'over%':>7}{'headroom':>9}{'nan/inf%':>9}"
+        )
+        for s in shown:
             lines.append(
-                f"{s.layer[-43:]:<44}{s.direction[:3]:<5}{s.amax:>10.3g}{s.min_nonzero:>10.3g}"
+                f"{s.layer:<{width}}{s.direction[:3]:<5}"
+                f"{_short(s.dtype) + ' ' * (9 - len(_short(s.dtype))) if kinds else ''}"
+                f"{s.amax:>10.3g}{s.min_nonzero:>10.3g}"
                 f"{s.dynamic_range:>7.1f}{100 * s.underflow:>8.2f}{100 * s.overflow:>7.2f}"
                 f"{s.headroom:>9.1f}{100 * s.nonfinite:>9.1f}"
             )
@@ -157,13 +189,18 @@ class PrecisionDebugReport:
             lines.append("no inf/NaN")
         worse = [e for e in self.op_errors if e.error > 1.0]
         if worse:
-            shown = ", ".join(f"{e.primitive} in {e.layer} {e.error:.1f}u" for e in worse[:6])
+            shown_errors = ", ".join(
+                f"{e.primitive} in {e.layer} {e.error:.1f}u" for e in worse[:6]
+            )
             more = f" and {len(worse) - 6} more" if len(worse) > 6 else ""
-            lines.append(f"ops less accurate than one rounding in {self.dtype}: {shown}{more}")
+            lines.append(
+                f"ops less accurate than one rounding in {judged_in}: {shown_errors}{more}"
+            )
         advice = self.advice()
+        scale = dict(advice["loss_scale"], initial=_power(advice["loss_scale"]["initial"]))
         lines.append(
             f"advice: overrides {advice['overrides']}, float32 islands {advice['islands']}, "
-            f"loss scale {advice['loss_scale']}"
+            f"loss scale {scale}"
         )
         return "\n".join(lines)
 
@@ -207,8 +244,10 @@ class PrecisionDebugReport:
             binades than the target dtype can hold (some will underflow at any scale, so
             single overflows should not halve it).
         """
-        finfo = jnp.finfo(self.dtype)
-        normal_range = math.log2(float(finfo.max) / float(finfo.smallest_normal))
+
+        def normal_range(dtype: str) -> float:
+            finfo = jnp.finfo(dtype or self.dtype)
+            return math.log2(float(finfo.max) / float(finfo.smallest_normal))
 
         def holds_matmuls(layer: str) -> bool:
             return any(m == layer or m.startswith(layer + "/") for m in self.matmul_layers)
@@ -224,10 +263,16 @@ class PrecisionDebugReport:
         for s in judged:
             if s.direction != "forward" or s.layer == TOP_LEVEL:
                 continue
-            does_not_fit = s.overflow > 0 or s.underflow_mass > 1e-3
-            free = not holds_matmuls(s.layer) and (
-                s.dynamic_range > normal_range or s.layer in lossy
-            )
+            if _scaled(s.dtype or self.dtype):
+                # float8/float4 values carry a scale of their own (per tensor, row or block)
+                # set from their amax: a small value is the format's rounding, which its
+                # scaling already minimised. The format fails only where it holds an inf/NaN.
+                does_not_fit, free = s.nonfinite > 0, False
+            else:
+                does_not_fit = s.overflow > 0 or s.underflow_mass > 1e-3
+                free = not holds_matmuls(s.layer) and (
+                    s.dynamic_range > normal_range(s.dtype) or s.layer in lossy
+                )
             if does_not_fit or free:
                 overrides[_module_path(s.layer)] = "float32"
         islands = {
@@ -240,19 +285,31 @@ class PrecisionDebugReport:
             path = _module_path(layer)
             return any(path == o or path.startswith(o + "/") for o in overrides)
 
-        # The gradients that stay in the target dtype once these overrides are applied.
+        # The gradients that stay in a 16-bit dtype once these overrides are applied (a
+        # float8 gradient is scaled per tensor: the loss scale does not move it in its range;
+        # under a policy judged in its own dtypes, bfloat16 holds float32's exponents and
+        # needs no loss scale).
         backward = [
             s
             for s in judged
             if s.direction == "backward"
             and s.amax > 0
+            and not _scaled(s.dtype or self.dtype)
+            and not (self.held_dtypes and s.dtype == "bfloat16")
             and (s.layer == TOP_LEVEL or not overridden(s.layer))
         ]
         if backward:
-            amax = max(s.amax for s in backward)  # gradients of the unscaled loss
-            initial = 2.0 ** math.floor(math.log2(float(finfo.max) / 2 / amax))
-            span = max(s.dynamic_range for s in backward)
-            scale = {"initial": initial, "hysteresis": 2 if span > normal_range - 1 else 1}
+            # The largest power of two leaving a doubling on each (gradients of the unscaled
+            # loss, each against its dtype's largest value).
+            initial = min(
+                2.0
+                ** math.floor(math.log2(float(jnp.finfo(s.dtype or self.dtype).max) / 2 / s.amax))
+                for s in backward
+            )
+            if self.finite_scale is not None:
+                initial = min(initial, self.finite_scale)
+            span = max(s.dynamic_range - normal_range(s.dtype) for s in backward)
+            scale = {"initial": initial, "hysteresis": 2 if span > -1 else 1}
         else:
             scale = {"initial": 1.0, "hysteresis": 1}
         return {"overrides": overrides, "islands": islands, "loss_scale": scale}

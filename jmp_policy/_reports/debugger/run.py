@@ -17,19 +17,81 @@ from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import naming as _naming
 from jmp_policy._core.pytree import is_traced_leaf, pure_nnx, split_traced
 from jmp_policy._core.validation import argnum_positions, positive_number
+from jmp_policy._fp8.state import is_state, stepped
 from jmp_policy._reports.debugger.interpreter import _Collector
 from jmp_policy._reports.debugger.names import _hoisted, _renamed
 from jmp_policy._reports.debugger.report import OpError, PrecisionDebugReport
 from jmp_policy._reports.debugger.values import _Accumulator, _all_finite
 from jmp_policy.policy import is_floating_array, normalise_dtype
 
+_TARGETS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32")
+# Formats a policy names: their values are judged in the dtypes the program holds them in.
+_FORMATS = ("mxfp8", "nvfp4")
 
-def _target_dtype(dtype: DTypeLike) -> np.dtype:
+
+def _target_dtype(dtype: DTypeLike | None) -> np.dtype | None:
+    """The dtype values are judged against; None: each in the dtype the policy holds it in."""
+    if dtype is None or (isinstance(dtype, str) and dtype in _FORMATS):
+        return None
     target = normalise_dtype(dtype, "dtype")
-    allowed = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32")
-    if target.name not in allowed:
-        raise TypeError(f"Expected one of {allowed} for `dtype`, got {dtype!r}.")
+    if target.name not in _TARGETS:
+        raise TypeError(
+            f"Expected None, one of {_TARGETS} or one of {_FORMATS} for `dtype`, got {dtype!r}."
+        )
     return target
+
+
+def _held_dtypes(jaxpr: Any) -> frozenset:
+    """The narrow floating dtypes `jaxpr` holds values in (float16, bfloat16, float8, float4),
+    block scales (float8_e8m0fnu, powers of two) left out."""
+    return frozenset(
+        dtype
+        for eqn, _ in _jaxpr.walk(jaxpr)
+        for v in eqn.outvars
+        for dtype in [getattr(v.aval, "dtype", None)]
+        if dtype is not None
+        and jnp.issubdtype(dtype, jnp.floating)
+        and jnp.dtype(dtype).itemsize < 4
+        and jnp.dtype(dtype) != jnp.dtype(jnp.float8_e8m0fnu)
+    )
+
+
+def _primary(held: frozenset) -> np.dtype:
+    """The dtype a report under a policy is named by: its 16-bit dtype (float16 first)."""
+    for name in ("float16", "bfloat16"):
+        if jnp.dtype(name) in held:
+            return jnp.dtype(name)
+    return sorted(held, key=lambda d: d.name)[0]
+
+
+def _warmed_up(loss: Callable[..., Any], args: tuple) -> tuple[tuple, int]:
+    """`args` with every fresh float8 delayed-scaling state (an empty amax history: the scale
+    1 only a run's first steps use) replaced by the state one step on these arguments writes,
+    as `loss_scaling` writes it (a policy's state's gradient is its next value, with its count
+    of uses in `grad_amax`). Returns the arguments and how many states were replaced."""
+    leaves, treedef = jax.tree.flatten(args, is_leaf=is_state)
+    fresh = [
+        i
+        for i, leaf in enumerate(leaves)
+        if is_state(leaf) and not np.asarray(leaf.lhs.amax_history).any()
+    ]
+    if not fresh:
+        return args, 0
+
+    def of_states(states):
+        new = list(leaves)
+        for i, state in zip(fresh, states, strict=True):
+            new[i] = state
+        return loss(*jax.tree.unflatten(treedef, new))
+
+    grads = jax.jit(jax.grad(of_states))([leaves[i] for i in fresh])
+    warmed, new = 0, list(leaves)
+    for i, grad in zip(fresh, grads, strict=True):
+        count = np.asarray(grad.grad_amax)
+        if count.ndim == 0 and count > 0 and np.asarray(grad.lhs.amax_history).any():
+            new[i] = stepped(grad, leaves[i])
+            warmed += 1
+    return jax.tree.unflatten(treedef, new), warmed
 
 
 def _with_seed(
@@ -55,7 +117,7 @@ def _with_seed(
         grads = pullback(seed.astype(jnp.result_type(value)))  # the cast carries the seed too
         return (value, *aux) if has_aux else value, grads[0] if isinstance(argnums, int) else grads
 
-    seed = jnp.ones((), jnp.float32)
+    seed = jnp.ones((), jnp.float32)  # a placeholder: the program takes the loss scale here
     with _naming.module_names():  # NNX and Equinox modules named by their paths
         closed, shapes = jax.make_jaxpr(value_and_pullback, return_shape=True)(list(args), seed)
     flat = [*jax.tree.leaves(list(args)), seed]
@@ -65,7 +127,7 @@ def _with_seed(
 def debug_precision(
     loss_fn: Callable[..., Any],
     *args: Any,
-    dtype: DTypeLike = "float16",
+    dtype: DTypeLike | None = None,
     loss_scale: float = 1.0,
     argnums: int | Sequence[int] = 0,
 ) -> PrecisionDebugReport:
@@ -79,20 +141,26 @@ def debug_precision(
 
     Args:
       loss_fn: a scalar loss, e.g. `lambda p, x, y: loss(model.apply({"params": p}, x), y)`; it
-        may already run under a policy or `autocast`: then only what runs in `dtype` is judged
-        (`PrecisionDebugReport.judged`).
+        may already run under a policy or `autocast`: then only what the policy holds in
+        half precision, float8 or float4 is judged (`PrecisionDebugReport.judged`).
       *args: its example arguments: pytrees (NNX modules and states, Equinox modules); leaves
-        that are not arrays (an activation function, a flag) are passed as they are.
-      dtype: the dtype the values are judged against: "float16", "bfloat16",
-        "float8_e4m3fn" or "float8_e5m2".
-      loss_scale: the loss scale the gradients are judged at (forward values are not scaled).
+        that are not arrays (an activation function, a flag) are passed as they are. A fresh
+        float8 delayed-scaling state among them (an empty amax history) is judged with the
+        scales one step on these arguments gives it (`PrecisionDebugReport.warmed_states`).
+      dtype: None (the default): under a policy, every value in the dtype the policy holds it
+        in (float16, bfloat16, float8 as scaled, MXFP8 and NVFP4 block by block); a float32
+        loss as if it ran in float16. Or the dtype values are judged against: "float16",
+        "bfloat16", "float8_e4m3fn", "float8_e5m2" ("mxfp8" and "nvfp4" are None).
+      loss_scale: the loss scale the gradients are computed at: the program runs the backward
+        pass from it, as the train step does (forward values are not scaled).
       argnums: which arguments the gradients are taken of.
 
     Returns:
       A `PrecisionDebugReport`: `print` it, `.advice()`, `.plot(path)`.
 
     Raises:
-      TypeError: `dtype` is not one of those, or `loss_fn` does not return a scalar.
+      TypeError: `dtype` is not one of those, or `loss_fn` does not return a floating
+        scalar.
       TypeError, ValueError: `loss_fn` is not callable, `loss_scale` is not a positive number
         float32 holds, `argnums` is not within `args`, or the arguments are traced (under
         `jit`: debug_precision runs the program itself).
@@ -135,15 +203,32 @@ def debug_precision(
     # An NNX module among the arguments: its state is what is traced, and it is merged back
     # inside the trace, so one that writes variables (BatchNorm, Dropout) can be called there.
     args, merge = pure_nnx(args)
-    split = [split_traced(a) for a in args]
 
-    def on_arrays(*arrays):
-        return loss_fn(*merge([rebuild(a) for a, (_, rebuild) in zip(arrays, split, strict=True)]))
+    def on_arrays_of(args):
+        """`loss_fn` as a function of the arrays among `args`, and those arrays."""
+        split = [split_traced(a) for a in args]
 
-    arrays = [traced for traced, _ in split]
+        def on_arrays(*arrays):
+            rebuilt = [rebuild(a) for a, (_, rebuild) in zip(arrays, split, strict=True)]
+            return loss_fn(*merge(rebuilt))
+
+        return on_arrays, [traced for traced, _ in split]
+
+    # The loss as `jit` computes it, of the arguments as given (the program below rounds every
+    # operation to its dtype, and may judge warmed-up float8 states).
+    on_arrays, arrays = on_arrays_of(args)
+    loss = float(np.asarray(jax.jit(on_arrays)(*arrays)))
+    args, warmed = _warmed_up(lambda *a: loss_fn(*merge(a)), args)
+    on_arrays, arrays = on_arrays_of(args)
     closed, flat, cotangent, _ = _with_seed(on_arrays, arrays, argnums, has_aux=False)
-    under_policy = target != jnp.float32 and _computes_in(closed.jaxpr, target)
-    acc = _Accumulator(target, float(loss_scale), under_policy)
+    flat[-1] = jnp.asarray(loss_scale, jnp.float32)  # the backward pass at the loss scale
+    if target is None:
+        held = _held_dtypes(closed.jaxpr)
+        target = _primary(held) if held else jnp.dtype(jnp.float16)
+    else:
+        held = frozenset([target]) if _computes_in(closed.jaxpr, target) else frozenset()
+    held = held - {jnp.dtype(jnp.float32)}
+    acc = _Accumulator(target, float(loss_scale), held)
     trip_counts: dict = {}
     while True:  # once, or again while `while` loops inside it have trip counts to learn
         collector = _Collector(acc, trip_counts)
@@ -153,6 +238,7 @@ def debug_precision(
             # target dtype's range becomes inf there, as it does in the program, unwarned.
             with np.errstate(over="ignore"):
                 outs = collector.run(closed.jaxpr, closed.consts, flat, "", cotangent)
+            collector.keep_outputs(outs)
             return outs, collector.kept
 
         # Inputs rounded to the target dtype must stay rounded inside the one program.
@@ -162,7 +248,7 @@ def debug_precision(
             break
         trip_counts.update({k: int(kept[i]) for k, i in collector.pending.items()})
     host = collector.replay(kept)
-    hoisted = _hoisted(layer for layer, _ in acc.stats)
+    hoisted = _hoisted(layer for layer, *_ in acc.stats)
     origin = host.origin
     if origin is not None:
         layer = hoisted.get(origin.layer, origin.layer)
@@ -173,19 +259,45 @@ def debug_precision(
         errors[key] = max(error, errors.get(key, 0.0))
     measured = [OpError(layer, op, error) for (layer, op), error in errors.items()]
     op_errors = tuple(sorted(measured, key=lambda e: -e.error))
-    return PrecisionDebugReport(
+    report = PrecisionDebugReport(
         dtype=target.name,
         loss_scale=float(loss_scale),
         layers=acc.layers(),
         origin=origin,
         nonfinite_inputs=bad_inputs,
-        loss=float(np.asarray(outs[0])),
+        loss=loss,
         op_errors=op_errors,
         matmul_layers=_renamed(acc.matmul_layers, hoisted),
-        judged="target" if under_policy else "all",
+        judged="target" if held else "all",
         target_layers=acc.layers(target=True),
         float32_layers=_renamed(acc.float32_layers, hoisted),
+        held_dtypes=tuple(sorted(d.name for d in held)),
+        warmed_states=warmed,
     )
+    if not held:
+        return report
+    # Under a policy the program computes in the held dtypes: check the advised scale there.
+    stated = report.advice()["loss_scale"]["initial"]
+    return dataclasses.replace(report, finite_scale=_finite_scale(compiled, flat, stated))
+
+
+def _finite_scale(compiled: Any, flat: list, scale: float) -> float:
+    """The largest power of two at most `scale` at which the program's loss and gradients are
+    finite (`scale / 2**24` if none: its values are not finite at any scale)."""
+
+    def finite(s: float) -> bool:
+        outs, _ = compiled([*flat[:-1], jnp.asarray(s, jnp.float32)])
+        return _all_finite(jax.tree.leaves(outs))
+
+    if finite(scale):
+        return scale
+    low, high = -24, 0  # exponents, relative to `scale`: `high` is not finite
+    if not finite(scale * 2.0**low):
+        return scale * 2.0**low
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if finite(scale * 2.0**middle) else (low, middle)
+    return scale * 2.0**low
 
 
 def _computes_in(jaxpr: Any, dtype: np.dtype) -> bool:

@@ -52,15 +52,35 @@ def _carries_mask(values: Sequence[Any]) -> bool:
     )
 
 
+def _finfo(dtype: Any) -> tuple[float, float, float]:
+    """(largest, smallest normal, unit roundoff) of a floating dtype."""
+    finfo = jnp.finfo(dtype)
+    return float(finfo.max), float(finfo.smallest_normal), float(finfo.eps) / 2
+
+
+def is_scaled_format(dtype: Any) -> bool:
+    """Whether values of `dtype` are held with a scale of their own (float8 and float4: per
+    tensor, per row or per block, set from their amax), so that a small value is the format's
+    rounding, not a loss scale's underflow."""
+    return jnp.dtype(dtype).itemsize == 1
+
+
 class _Accumulator:
-    def __init__(self, dtype: np.dtype, loss_scale: float, under_policy: bool = False):
-        finfo = jnp.finfo(dtype)
-        self.max, self.tiny = float(finfo.max), float(finfo.smallest_normal)
-        self.dtype, self.unit_roundoff = dtype, float(finfo.eps) / 2
+    """Per-layer statistics of the values `debug_precision` reads.
+
+    `dtype` is what every value is judged against in `stats` (all values, float32 ones
+    included); `held` (under a policy) the dtypes the policy holds values in, each value of
+    one of them judged against its own dtype in `target_stats`, keyed `(layer, direction,
+    dtype name)`. Gradients arrive at the loss scale: the program ran with it."""
+
+    def __init__(self, dtype: np.dtype, loss_scale: float, held: frozenset = frozenset()):
+        self.max, self.tiny, self.unit_roundoff = _finfo(dtype)
+        self.dtype = dtype
         self.loss_scale = loss_scale
-        self.under_policy = under_policy
-        self.stats: dict[tuple[str, str], Columns] = {}
-        self.target_stats: dict[tuple[str, str], Columns] = {}  # values held in the target dtype
+        self.held = held
+        self.under_policy = bool(held)
+        self.stats: dict[tuple, Columns] = {}
+        self.target_stats: dict[tuple, Columns] = {}  # values held in the policy's dtypes
         self.op_errors: dict[tuple[str, str], float] = {}
         self.matmul_layers: set[str] = set()
         self.float32_layers: set[str] = set()
@@ -76,8 +96,8 @@ class _Accumulator:
         if not floating_out or eqn.primitive is _jaxpr.CONVERT:
             return None  # a cast only rounds (an overflow shows as an inf it made)
         if self.under_policy:
-            change = [is_floating_array(v) and jnp.dtype(v.dtype) == self.dtype for v in invals]
-            if not any(o.dtype == self.dtype for o in floating_out):
+            change = [is_floating_array(v) and jnp.dtype(v.dtype) in self.held for v in invals]
+            if not any(jnp.dtype(o.dtype) in self.held for o in floating_out):
                 return None  # computed in float32 by the policy
             into = jnp.dtype(jnp.float32)
         else:
@@ -119,11 +139,16 @@ class _Accumulator:
         if rerun is None:
             return
         full, low = (rerun, outs) if self.under_policy else (outs, rerun)
+        # Under a policy the operation ran in its output's dtype: its error is in that dtype's
+        # roundings, and a mask near that dtype's edge is a mask.
+        floating = [o for o in outs if is_floating_array(o)]
+        judged_in = jnp.dtype(floating[0].dtype) if self.under_policy else self.dtype
+        largest, _, unit_roundoff = _finfo(judged_in)
         # A float16 mask (its lowest value) carried on by `x - max` overflows to -inf there:
         # near the target's edge, values derived from a mask are masks too.
-        edge = self.max if _carries_mask(invals) else None
+        edge = largest if _carries_mask(invals) else None
         key = (layer, eqn.primitive.name)
-        error = _relative_error(full, low, self.unit_roundoff, edge)
+        error = _relative_error(full, low, unit_roundoff, edge)
         self.op_errors[key] = max(self.op_errors.get(key, 0.0), error)
 
     def add(
@@ -134,11 +159,21 @@ class _Accumulator:
         from_mask: bool = False,
     ) -> None:
         """Counts `value`; `from_mask`: its operation's inputs held a mask."""
-        self._add(self.stats, key, value, from_mask)
-        if self.under_policy and island is None and jnp.dtype(value.dtype) == self.dtype:
-            self._add(self.target_stats, key, value, from_mask)
+        self._add(self.stats, key, value, from_mask, self.max, self.tiny)
+        held = jnp.dtype(value.dtype)
+        if island is None and held in self.held:
+            largest, tiny, _ = _finfo(held)
+            self._add(self.target_stats, (*key, held.name), value, from_mask, largest, tiny)
 
-    def _add(self, stats: dict, key: tuple[str, str], value: np.ndarray, from_mask: bool) -> None:
+    def _add(
+        self,
+        stats: dict,
+        key: tuple,
+        value: np.ndarray,
+        from_mask: bool,
+        largest: float,
+        tiny: float,
+    ) -> None:
         x = np.abs(np.asarray(value, np.float64)).ravel()
         finite = np.isfinite(x)
         # A masking constant (Flax's `jnp.finfo(jnp.float32).min` for -inf, a model's -2.38e38)
@@ -146,25 +181,26 @@ class _Accumulator:
         # An infinity the model wrote (`where(mask, x, -inf)`) is a mask too; NaN is not.
         masked = (finite & _masks(x, value.dtype)) | np.isinf(x)
         if from_mask:
-            masked |= finite & (x >= self.max / 2)
+            masked |= finite & (x >= largest / 2)
         xf = x[finite & ~masked]
-        nonzero = xf[xf > 0]
-        scaled = nonzero * (self.loss_scale if key[1] == "backward" else 1.0)
+        nonzero = xf[xf > 0]  # gradients at the loss scale, as the program computed them
         new = Columns(
             count=x.size - int(masked.sum()),
             amax=float(xf.max()) if xf.size else 0.0,
             min_nonzero=float(nonzero.min()) if nonzero.size else math.inf,
-            underflow=int((scaled < self.tiny).sum()),
-            overflow=int((scaled > self.max).sum()),
+            underflow=int((nonzero < tiny).sum()),
+            overflow=int((nonzero > largest).sum()),
             nonzero=int(nonzero.size),
             nonfinite=int((~finite & ~masked).sum()),
-            underflow_magnitude=float(nonzero[scaled < self.tiny].sum()),
+            underflow_magnitude=float(nonzero[nonzero < tiny].sum()),
             magnitude=float(nonzero.sum()),
         )
         stats[key] = stats[key].combined(new) if key in stats else new
 
     def layers(self, target: bool = False) -> tuple[LayerStats, ...]:
-        return _layer_stats(self.target_stats if target else self.stats, self.max, self.loss_scale)
+        if target:
+            return _layer_stats(self.target_stats, self.max, self.loss_scale)
+        return _layer_stats(self.stats, self.max, self.loss_scale, self.dtype.name)
 
 
 def _relative_error(full: list, low: list, unit_roundoff: float, mask_edge: float | None) -> float:
@@ -215,33 +251,39 @@ class Columns(NamedTuple):
         return Columns(*(f(a, b) for f, a, b in zip(combine, self, other, strict=True)))
 
 
-def _layer_stats(raw: dict, largest: float, loss_scale: float) -> tuple[LayerStats, ...]:
-    """`LayerStats` from each `(layer, direction)`'s `Columns`, a layer named relative to a
-    loop counted in its full name (`_hoisted`)."""
-    hoisted = _hoisted(layer for layer, _ in raw)
-    merged: dict[tuple[str, str], Columns] = {}
-    for (layer, direction), columns in raw.items():
-        key: tuple[str, str] = (hoisted[layer] if layer in hoisted else layer, direction)
+def _layer_stats(
+    raw: dict, largest: float, loss_scale: float, dtype: str = ""
+) -> tuple[LayerStats, ...]:
+    """`LayerStats` from each `(layer, direction)`'s `Columns` (or `(layer, direction, dtype)`'s,
+    each judged against its dtype), a layer named relative to a loop counted in its full name
+    (`_hoisted`). Gradients were counted at `loss_scale`: their amax and smallest value are
+    given for the unscaled loss, as the headroom's doublings are counted from the scale."""
+    hoisted = _hoisted(key[0] for key in raw)
+    merged: dict[tuple, Columns] = {}
+    for (layer, *rest), columns in raw.items():
+        key = (hoisted[layer] if layer in hoisted else layer, *rest)
         merged[key] = merged[key].combined(columns) if key in merged else Columns(*columns)
     out = []
-    for (layer, direction), columns in merged.items():
+    for (layer, direction, *held), columns in merged.items():
         count, amax, low, under, over, nonzero, bad, lost, mass = (float(c) for c in columns)
+        top = _finfo(held[0])[0] if held else largest
+        headroom = math.log2(top / amax) if amax > 0 else math.inf
         scale = loss_scale if direction == "backward" else 1.0
-        headroom = math.log2(largest / (amax * scale)) if amax > 0 else math.inf
         finite_count = count - bad
         out.append(
             LayerStats(
                 layer=layer,
                 direction=direction,
                 count=int(count),
-                amax=amax,
-                min_nonzero=low,
+                amax=amax / scale,
+                min_nonzero=low / scale,
                 dynamic_range=math.log2(amax / low) if amax > 0 and low < math.inf else 0.0,
                 underflow=under / nonzero if nonzero else 0.0,
                 overflow=over / finite_count if finite_count else 0.0,
                 headroom=math.floor(headroom) if math.isfinite(headroom) else headroom,
                 nonfinite=bad / count if count else 0.0,
                 underflow_mass=lost / mass if mass > 0 else 0.0,
+                dtype=held[0] if held else dtype,
             )
         )
     return tuple(out)
