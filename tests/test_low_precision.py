@@ -14,7 +14,14 @@ from flax.training import train_state
 import jmp_policy as jmp
 from jmp_policy.low_precision import join_float32, split_float32, stochastic_round
 
-pytestmark = pytest.mark.standard_promotion  # optax's adam mixes int32 and float
+# These tests hand `update` gradients made outside `value_and_scaled_grad` (planted infs, a
+# report's fields) with a DynamicLossScale: what the misuse check warns of, once per process
+# (tests/test_misuse.py asserts that warning).
+_MISUSE_SAID = pytest.mark.filterwarnings(
+    "ignore:loss_scaling. the gradients given to `update` were computed in another function"
+    ":jmp_policy.errors.LossScalingWarning"
+)
+pytestmark = [pytest.mark.standard_promotion, _MISUSE_SAID]  # optax's adam mixes int32 and float
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 

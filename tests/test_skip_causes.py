@@ -18,6 +18,15 @@ from models import CNN
 import jmp_policy as jmp
 from jmp_policy._loss_scaling.spikes import spread
 
+# These tests hand `update` gradients made outside `value_and_scaled_grad` (planted infs, a
+# report's fields) with a DynamicLossScale: what the misuse check warns of, once per process
+# (tests/test_misuse.py asserts that warning).
+_MISUSE_SAID = pytest.mark.filterwarnings(
+    "ignore:loss_scaling. the gradients given to `update` were computed in another function"
+    ":jmp_policy.errors.LossScalingWarning"
+)
+pytestmark = _MISUSE_SAID
+
 X = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
 TARGETS = jax.nn.one_hot(jnp.arange(8) % 4, 4)
 MODEL = jmp.linen.mixed_precision(CNN(), jmp.get_policy("mixed_float16"))

@@ -15,6 +15,15 @@ from flax.training import train_state
 
 import jmp_policy as jmp
 
+# These tests hand `update` gradients made outside `value_and_scaled_grad` (planted infs, a
+# report's fields) with a DynamicLossScale: what the misuse check warns of, once per process
+# (tests/test_misuse.py asserts that warning).
+_MISUSE_SAID = pytest.mark.filterwarnings(
+    "ignore:loss_scaling. the gradients given to `update` were computed in another function"
+    ":jmp_policy.errors.LossScalingWarning"
+)
+pytestmark = _MISUSE_SAID
+
 # optax's Adam bias correction, schedules and MultiSteps mix int32 and float
 # values, so tests running them use JAX's standard promotion (conftest.py).
 optax_promotion = pytest.mark.standard_promotion
