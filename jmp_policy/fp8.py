@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import warnings
 from typing import Any
 
 import jax
@@ -37,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
+
+from jmp_policy._core.validation import warn_at_user_line
 
 # Formats and scales, and delayed scaling, live in their own files; their names are fp8's.
 from jmp_policy._fp8.delayed import AMAX_FROM as AMAX_FROM
@@ -93,14 +94,12 @@ def warn_head_in_low_precision(where: str, fmt: str, keep_out: str) -> None:
     the program's structure, whatever its name: a language model's logits head), multiplies
     in `fmt` ("float8", "mxfp8", "nvfp4"); `keep_out` says how the caller's integration keeps
     it in bfloat16. Heads named like `FP8_EXCLUDE`'s patterns are never in `fmt`."""
-    warnings.warn(
-        PrecisionWarning(
-            f"jmp_policy: {where or '(top level)'} is the last matmul before the output (by "
-            f"the program's structure: a language model's logits head) and it multiplies in "
-            f"{fmt}; only a head named like jmp_policy.fp8.FP8_EXCLUDE's patterns stays in "
-            f"bfloat16 by itself. Keep it in bfloat16 with {keep_out}."
-        ),
-        stacklevel=3,
+    warn_at_user_line(
+        f"jmp_policy: {where or '(top level)'} is the last matmul before the output (by the "
+        f"program's structure: a language model's logits head) and it multiplies in {fmt}; "
+        "only a head named like jmp_policy.fp8.FP8_EXCLUDE's patterns stays in bfloat16 by "
+        f"itself. Keep it in bfloat16 with {keep_out}.",
+        PrecisionWarning,
     )
 
 

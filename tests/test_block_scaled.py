@@ -19,6 +19,14 @@ import pytest
 from jmp_policy.block_scaled import block_scaled_dot_general, eligible, fake_quantize
 from jmp_policy.fp8 import Fp8DotGeneral
 
+# Toy models whose last matmul is meant to multiply in float8 or a block-scaled format: the
+# warning that names such a head (the logits head, by structure) is asserted in
+# tests/test_float8_reports.py and where a test here asks for it.
+_HEAD_IN_LOW_PRECISION = pytest.mark.filterwarnings(
+    "ignore:jmp_policy. .* is the last matmul before the output:jmp_policy.errors.PrecisionWarning"
+)
+pytestmark = _HEAD_IN_LOW_PRECISION
+
 reference = pytest.importorskip("jax._src.cudnn.scaled_matmul_stablehlo")
 _benchmark = importlib.util.spec_from_file_location(
     "_gpu_transformer", pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_transformer.py"

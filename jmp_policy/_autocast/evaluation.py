@@ -6,6 +6,7 @@ with the casts every rule uses."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -292,12 +293,19 @@ class _Evaluation:
         last = self._records.last_matmul
         if self._records.open and last is not None and last[1] is not None:
             where = last[0]
-            if where.startswith("the matmul on "):  # an Equinox layer: named by its weight
+            if where.startswith("the matmul on "):  # outside any module: named by its weight
                 owner = where.removeprefix("the matmul on ").rsplit(".", 1)[0]
-                keep_out = f"overrides={{{owner.replace('.', '/')!r}: 'mixed_bfloat16'}}"
+                keep_out = (
+                    f"an override of its module, overrides={{{owner.replace('.', '/')!r}: "
+                    "'mixed_bfloat16'}} (eqx.mixed_precision), or, under autocast, a "
+                    "`jax.named_scope('head')` around it (fp8_exclude matches name scopes)"
+                )
             else:
-                name = where.rsplit("/", 1)[-1]
-                keep_out = f"fp8_exclude=(*jmp_policy.fp8.FP8_EXCLUDE, {name!r})"
+                name = re.escape(where.rsplit("/", 1)[-1])
+                keep_out = (
+                    f"fp8_exclude=(*jmp_policy.fp8.FP8_EXCLUDE, {name!r}) (a pattern matched "
+                    "against each part of a module path)"
+                )
             warn_head_in_low_precision(where, last[1], keep_out)
         self._records.close()
 

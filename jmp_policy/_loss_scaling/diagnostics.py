@@ -154,7 +154,7 @@ def loss_scaling_report(opt_state: Any) -> LossScalingReport | tuple[LossScaling
       >>> grads = {"fc": {"w": jnp.array([1.0, jnp.nan])}, "b": jnp.ones(1)}
       >>> _, state = tx.update(grads, state, params)
       >>> print(jmp.loss_scaling_report(state))  # doctest: +NORMALIZE_WHITESPACE
-      loss scale 2; applied 0, skipped 1 (current run 1); the last step was skipped for
+      loss scale 2^1; applied 0, skipped 1 (current run 1); the last step was skipped for
       non-finite gradients: the scaled gradients overflowed, which backing off the scale cures
       (normal now and then; a loss not passed to update as value=loss counts here too); last
       non-finite gradients in ['fc']['w']
