@@ -311,9 +311,14 @@ def mixed_precision(
         # NNX's examples write layers) has no `dtype` to set: its Params are cast to the
         # compute dtype for its call (`_own_params_cast`), as Linen's `self.param`s are.
         own_params = not hasattr(module, "dtype") and bool(_own_floating_params(module))
-        half = resolved[path].compute_dtype.itemsize == 2  # float8's are left as they are
+        half = resolved[path].compute_dtype.itemsize == 2  # float8's layers are float8's
+        # Under a float8 policy too, a layer without a `dtype` multiplies in bfloat16, the
+        # policy's dtype for what float8 does not take (as Linen's `self.param`s are cast).
+        sixteen = island.compute_dtype.itemsize == 2
         object.__setattr__(
-            module, "_jmp_policy_own_params", island.compute_dtype if own_params and half else None
+            module,
+            "_jmp_policy_own_params",
+            island.compute_dtype if own_params and sixteen else None,
         )
         weights_at_use = weights_at_use or (
             reduce_dtype is not None

@@ -14,6 +14,7 @@ final training loss of float16 and bfloat16 against float32's, two seeds.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import flax_examples as ex  # noqa: E402  (after jax: conftest's XLA flags)
 import jax
@@ -208,6 +209,27 @@ def test_example_trains_in_half_precision_and_skips_an_overflow(task, integratio
     assert bool(trainer.scaling.last_step_skipped)
     _assert_same(trainer.carried(), before)
     assert float(trainer.scaling.loss_scale.loss_scale) == scale / 2
+
+
+@pytest.mark.parametrize(("task", "integration"), TASKS)
+def test_every_matmul_left_out_of_float8_has_a_cause(task, integration):
+    """`precision_report`'s reason for each matmul of the train step not in float8 names its
+    cause (a size, FP8_EXCLUDE, a float32 operand, a layer the policy does not give float8),
+    never only the dtype it stayed in."""
+    with warnings.catch_warnings():
+        # A head the examples name like any layer runs in float8: the warning is asserted in
+        # tests/test_float8_reports.py.
+        warnings.filterwarnings(
+            "ignore", "jmp_policy. .* is the last matmul", jmp.errors.PrecisionWarning
+        )
+        trainer, data = _setup(task, integration, "mixed_float8")
+        report = report_of_jaxpr(trainer.jaxpr(_batch(data, 0), jax.random.key(7)))
+    # ResNet's matmuls are convolutions and a 10-wide head; the toy MLP's are 1 wide.
+    assert report.fp8_matmul_flop_share > 0 or task in ("resnet", "nnx_toy"), task
+    causes = ("multiple of", "blocks", "FP8_EXCLUDE", "float32", "Dense, DenseGeneral")
+    for dtype, reason, where in report.fp8_left_out:
+        assert reason != f"left in {dtype}", (where, reason)
+        assert any(cause in reason for cause in causes), (where, reason)
 
 
 # The names each model's layers carry, some of which the debugger must report.
