@@ -23,7 +23,7 @@ from jmp_policy._reports.debugger.names import (
     _renamed,
 )
 from jmp_policy._reports.debugger.report import PrecisionDebugReport
-from jmp_policy._reports.debugger.run import _computes_in, _target_dtype, _with_seed
+from jmp_policy._reports.debugger.run import _TARGETS, _computes_in, _target_dtype, _with_seed
 from jmp_policy._reports.debugger.values import Columns, _layer_stats, _masks
 from jmp_policy.policy import is_floating_array
 
@@ -261,6 +261,12 @@ def value_and_grad_with_stats(
       [('forward', -3), ('backward', -5)]
     """
     target = _target_dtype(dtype)
+    if target is None:  # statistics kept in the program are of one dtype
+        raise TypeError(
+            f"Expected one of {_TARGETS} for `dtype` of value_and_grad_with_stats, got "
+            f"{dtype!r}: the statistics it keeps in the program judge one dtype "
+            "(`debug_precision` judges each value in the dtype a policy holds it in)."
+        )
     value_and_grad = jax.value_and_grad(fun, argnums, has_aux=has_aux)
 
     def collecting(*args):
