@@ -7,6 +7,7 @@ relies on standard promotion (optax's Adam bias correction and schedules mix
 float and int32) are marked `standard_promotion`.
 """
 
+import gc
 import os
 import pathlib
 import shutil
@@ -68,6 +69,16 @@ def pytest_unconfigure(config):
     # xdist) removes it; xdist's workers inherited its name and leave it alone.
     if _OWN_CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_sessionfinish(session):
+    # xdist gives a worker 5 s to finish after its last test, then interrupts it (execnet's
+    # SIGINT), and the interrupt lands in a garbage-collection callback (JAX's, hypothesis's)
+    # as an unraisable KeyboardInterrupt that pytest prints. What takes the time is collecting
+    # the suite's objects (thousands of traced and compiled programs) on the way out: frozen,
+    # they are left to the process's exit.
+    if hasattr(session.config, "workerinput"):
+        gc.freeze()
 
 
 def pytest_configure(config):
