@@ -123,9 +123,11 @@ class PrecisionDebugReport:
         the dtypes it holds values in; each row of `target_layers` is judged in its `dtype`.
       warmed_states: how many fresh float8 delayed-scaling states were judged with the scales
         one step gives them (an empty history's scale 1 is used only by a run's first steps).
-      finite_scale: under a policy, the largest power of two, at most the statistics' advised
-        initial scale, at which the program's loss and gradients came out finite when run
-        there (None: not run; the loss ran in float32). `advice` takes the smaller.
+      finite_scale: under a policy with float16 gradients, the largest power of two `S`, at
+        most the statistics' advised initial scale (below `loss_scale` where the gradients
+        overflowed there), at which the program run at `2 S` gave a finite loss and
+        gradients: a doubling of headroom, checked (None: not run). `advice` takes the
+        smaller of the two.
     """
 
     dtype: str
@@ -310,6 +312,8 @@ class PrecisionDebugReport:
                 initial = min(initial, self.finite_scale)
             span = max(s.dynamic_range - normal_range(s.dtype) for s in backward)
             scale = {"initial": initial, "hysteresis": 2 if span > -1 else 1}
+        elif self.finite_scale is not None:  # every gradient overflowed at `loss_scale`
+            scale = {"initial": self.finite_scale, "hysteresis": 1}
         else:
             scale = {"initial": 1.0, "hysteresis": 1}
         return {"overrides": overrides, "islands": islands, "loss_scale": scale}

@@ -4,6 +4,7 @@ run as one program, read on the host."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -274,30 +275,44 @@ def debug_precision(
         held_dtypes=tuple(sorted(d.name for d in held)),
         warmed_states=warmed,
     )
-    if not held:
+    # Under a policy the program computes in the held dtypes: the advised scale is checked
+    # there. Where the gradients overflowed at `loss_scale`, their statistics hold no amax to
+    # advise from, and the search starts below it.
+    overflowed = not _all_finite(jax.tree.leaves(outs))
+    from_statistics = report.advice()["loss_scale"]["initial"]
+    if not held or not (overflowed or _scaled_rows(report)):
         return report
-    # Under a policy the program computes in the held dtypes: check the advised scale there.
-    stated = report.advice()["loss_scale"]["initial"]
-    return dataclasses.replace(report, finite_scale=_finite_scale(compiled, flat, stated))
+    top = float(loss_scale) / 2 if overflowed else from_statistics
+    return dataclasses.replace(report, finite_scale=_finite_scale(compiled, flat, top))
 
 
-def _finite_scale(compiled: Any, flat: list, scale: float) -> float:
-    """The largest power of two at most `scale` at which the program's loss and gradients are
-    finite (`scale / 2**24` if none: its values are not finite at any scale)."""
+def _scaled_rows(report: PrecisionDebugReport) -> bool:
+    """Whether the advice's initial scale comes from gradients held in float16."""
+    return any(
+        s.direction == "backward" and s.dtype == "float16" and s.amax > 0
+        for s in report.target_layers
+    )
 
-    def finite(s: float) -> bool:
-        outs, _ = compiled([*flat[:-1], jnp.asarray(s, jnp.float32)])
+
+def _finite_scale(compiled: Any, flat: list, top: float) -> float:
+    """The largest power of two `S` at most `top` such that the program's loss and gradients
+    are finite at `2 S` (a doubling of headroom, as the statistics' rule leaves): `top / 2**24`
+    if there is none."""
+
+    def headroom(s: float) -> bool:
+        outs, _ = compiled([*flat[:-1], jnp.asarray(2 * s, jnp.float32)])
         return _all_finite(jax.tree.leaves(outs))
 
-    if finite(scale):
-        return scale
-    low, high = -24, 0  # exponents, relative to `scale`: `high` is not finite
-    if not finite(scale * 2.0**low):
-        return scale * 2.0**low
+    top = 2.0 ** math.floor(math.log2(top))
+    if headroom(top):
+        return top
+    low, high = -24, 0  # exponents, relative to `top`: `high` has no headroom
+    if not headroom(top * 2.0**low):
+        return top * 2.0**low
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if finite(scale * 2.0**middle) else (low, middle)
-    return scale * 2.0**low
+        low, high = (middle, high) if headroom(top * 2.0**middle) else (low, middle)
+    return top * 2.0**low
 
 
 def _computes_in(jaxpr: Any, dtype: np.dtype) -> bool:
