@@ -22,8 +22,7 @@ from jmp_policy.fp8 import DelayedScaling, Fp8DotState, fp8_dot_general_delayed,
 # Toy models whose last matmul is meant to multiply in float8: the warning that names such a
 # head (the logits head, by structure) is asserted in tests/test_float8_reports.py.
 _HEAD_IN_LOW_PRECISION = pytest.mark.filterwarnings(
-    "ignore:jmp_policy. .* is the last matmul before the output"
-    ":jmp_policy.errors.PrecisionWarning"
+    "ignore:jmp_policy. .* is the last matmul before the output:jmp_policy.errors.PrecisionWarning"
 )
 pytestmark = [pytest.mark.standard_promotion, _HEAD_IN_LOW_PRECISION]
 
