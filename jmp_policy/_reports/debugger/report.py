@@ -219,32 +219,34 @@ class PrecisionDebugReport:
           `{"overrides": {module path: "float32"}, "islands": {module path: [operations]},
           "loss_scale": {...}}`.
 
-          What is judged is what the policy runs in the target dtype: when the loss already
-          runs under a policy (`judged == "target"`), the values and operations in the target
-          dtype only; an operation the policy keeps in float32 (a norm's statistics under
-          `NORMS_IN_FLOAT32`, Flax attention's softmax) is not judged in it.
+          What is judged is what the policy holds in 16, 8 or 4 bits: when the loss already
+          runs under a policy (`judged == "target"`), those values and operations only, each
+          in its own dtype (`LayerStats.dtype`); an operation the policy keeps in float32 (a
+          norm's statistics under `NORMS_IN_FLOAT32`, Flax attention's softmax) is not judged.
 
           - overrides: the layers the policy already keeps in float32 (`float32_layers`) stay
-            there; a layer whose activations do not fit the target dtype (an overflow,
-            or more than 0.1% of their magnitude lost to underflow) goes to float32; so does
-            a layer without matmuls (its own or its children's) whose values span more
-            binades than the target dtype's normal range or whose operations lose more than
-            one rounding there (`op_errors`): normalisation statistics, at no cost in
-            half-precision matmul FLOPs. Pass the dict as it is to
-            `linen.mixed_precision(..., overrides=...)` (it replaces `NORMS_IN_FLOAT32`).
+            there; a layer whose 16-bit activations do not fit their dtype (an overflow, or
+            more than 0.1% of their magnitude lost to underflow) goes to float32; so does a
+            layer without matmuls (its own or its children's) whose values span more binades
+            than the dtype's normal range or whose operations lose more than one rounding
+            there (`op_errors`): normalisation statistics, at no cost in half-precision matmul
+            FLOPs. A layer holding float8 or float4 values (scaled per tensor, row or block) is
+            moved only for an inf/NaN among them: their small values are the format's rounding.
+            Pass the dict as it is to `linen.mixed_precision(..., overrides=...)` (it replaces
+            `NORMS_IN_FLOAT32`).
           - islands: operations that lose more than one rounding (`OpError.error` > 1 u) in
-            the target dtype, inside layers that also hold matmuls (or at the top level, the
+            their dtype, inside layers that also hold matmuls (or at the top level, the
             loss): they need float32 without moving the layer's matmuls out of half
             precision. `linen.mixed_precision` already runs Flax attention's softmax in
             float32; `autocast` runs sums, exp and log there; a model output cast to
             float32 (`output_dtype`) keeps the loss there.
           - loss_scale: `initial`, the largest power of two that keeps one doubling of
-            headroom on every gradient the policy holds in the target dtype once these
-            overrides are applied (a layer they move to float32 is not judged; where dynamic
-            loss scaling settles, within a doubling or two: scaled float32 gradients do not
-            overflow), and `hysteresis` 2 when the gradients span more
-            binades than the target dtype can hold (some will underflow at any scale, so
-            single overflows should not halve it).
+            headroom on every float16 gradient once these overrides are applied (a layer they
+            move to float32 is not judged; under a policy judged in its own dtypes, bfloat16
+            and float8 gradients need no loss scale), at most `finite_scale` (the program run
+            at twice it came out finite), and `hysteresis` 2 when the gradients span more
+            binades than the dtype can hold (some will underflow at any scale, so single
+            overflows should not halve it).
         """
 
         def normal_range(dtype: str) -> float:
