@@ -349,16 +349,12 @@ class MixedPrecisionModule:
         if "params" in variables:
             params = paths.cast_params(variables["params"], "compute", self.policy)
             variables = {**variables, "params": params}
-        with warning_if_head_in_low_precision(_keep_out):
+        with warning_if_head_in_low_precision():
             return self._run(
                 lambda: self.module.apply(
                     variables, *args, method=method, mutable=mutable, **kwargs
                 )
             )
-
-
-def _keep_out(path: str) -> str:
-    return f'overrides={{**overrides, "{path}": jmp_policy.get_policy("mixed_bfloat16")}}'
 
 
 @contextlib.contextmanager

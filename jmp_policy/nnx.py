@@ -167,7 +167,7 @@ def _subclass(cls: type, role: str) -> type:
             # serves the float32-matmul check and the call.
             check = policy.compute_dtype != jnp.float32 and key not in self._jmp_policy_checked.seen
             self._jmp_policy_checked.seen.add(key)
-            with warning_if_head_in_low_precision(_keep_out):
+            with warning_if_head_in_low_precision():
                 if self._jmp_policy_at_use is not None:
                     out = self._jmp_policy_at_use.call(self, scoped, args, kwargs, check)
                 elif check:
@@ -188,10 +188,6 @@ def _subclass(cls: type, role: str) -> type:
             },
         )
     return _CLASSES[(base, role)]
-
-
-def _keep_out(path: str) -> str:
-    return f'overrides={{**overrides, "{path}": jmp_policy.get_policy("mixed_bfloat16")}}'
 
 
 def mixed_precision(

@@ -125,7 +125,7 @@ _LAST_MATMUL = _LastMatmul()
 
 def note_matmul_layer(module: Any, where: str, args: tuple) -> None:
     """Notes a call of a Dense/Linear-like layer (one with a `dot_general`) at module path
-    `where` with these arguments, for `warn_if_head_in_low_precision`."""
+    `where` with these arguments, for `warning_if_head_in_low_precision`."""
     dot = getattr(module, "dot_general", _ABSENT)
     if dot is _ABSENT or not hasattr(module, "dtype"):
         return
@@ -141,17 +141,20 @@ def note_matmul_layer(module: Any, where: str, args: tuple) -> None:
 
 
 @contextlib.contextmanager
-def warning_if_head_in_low_precision(keep_out: Callable[[str], str]) -> Any:
-    """Around a policy's forward pass: afterwards, warns when the last matmul layer it called
-    (the logits head, by the program's structure) multiplies in float8 or a block-scaled
-    format (`jmp_policy.fp8.warn_head_in_low_precision`; `keep_out(path)` says how to keep
-    it in bfloat16)."""
+def warning_if_head_in_low_precision() -> Any:
+    """Around a Linen or NNX policy's forward pass: afterwards, warns when the last matmul
+    layer it called (the logits head, by the program's structure) multiplies in float8 or a
+    block-scaled format (`jmp_policy.fp8.warn_head_in_low_precision`), with the override that
+    keeps it in bfloat16."""
     outer, _LAST_MATMUL.layer = _LAST_MATMUL.layer, None
     try:
         yield
         last = _LAST_MATMUL.layer
         if last is not None and last[1] is not None:
-            warn_head_in_low_precision(last[0], last[1], keep_out(last[0]))
+            keep_out = (
+                f'overrides={{**overrides, "{last[0]}": jmp_policy.get_policy("mixed_bfloat16")}}'
+            )
+            warn_head_in_low_precision(last[0], last[1], keep_out)
     finally:
         _LAST_MATMUL.layer = outer
 
