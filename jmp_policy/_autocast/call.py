@@ -158,14 +158,17 @@ class _Autocast:
 
         n_state = 0 if state_tree is None else state_tree.num_leaves
         recipe = self._recipe
-        # Where each input sits in the arguments (`model.out.weight`): what names a matmul
-        # outside any name scope (an Equinox layer's) in a warning.
-        placed = jax.tree_util.tree_flatten_with_path(
-            jax.tree.unflatten(in_tree, list(specs)), is_leaf=lambda x: isinstance(x, _StaticLeaf)
-        )[0]
-        input_names = [
-            _argument_name(path) for path, s in placed if isinstance(s, jax.ShapeDtypeStruct)
-        ]
+        # Under a float8 policy, where each input sits in the arguments (`model.out.weight`):
+        # what names a matmul outside any name scope (an Equinox layer's) in a warning.
+        input_names = []
+        if rules.fp8:
+            placed = jax.tree_util.tree_flatten_with_path(
+                jax.tree.unflatten(in_tree, list(specs)),
+                is_leaf=lambda x: isinstance(x, _StaticLeaf),
+            )[0]
+            input_names = [
+                _argument_name(path) for path, s in placed if isinstance(s, jax.ShapeDtypeStruct)
+            ]
 
         def region(*flat):
             flat, state = flat[: len(flat) - n_state], flat[len(flat) - n_state :]

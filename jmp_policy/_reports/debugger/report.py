@@ -171,7 +171,7 @@ class PrecisionDebugReport:
         for s in shown:
             lines.append(
                 f"{s.layer:<{width}}{s.direction[:3]:<5}"
-                f"{_short(s.dtype) + ' ' * (9 - len(_short(s.dtype))) if kinds else ''}"
+                f"{_short(s.dtype) if kinds else '':<{9 if kinds else 0}}"
                 f"{s.amax:>10.3g}{s.min_nonzero:>10.3g}"
                 f"{s.dynamic_range:>7.1f}{100 * s.underflow:>8.2f}{100 * s.overflow:>7.2f}"
                 f"{s.headroom:>9.1f}{100 * s.nonfinite:>9.1f}"

@@ -279,12 +279,11 @@ def debug_precision(
     # there. Where the gradients overflowed at `loss_scale`, their statistics hold no amax to
     # advise from, and the search starts below it.
     overflowed = not _all_finite(jax.tree.leaves(outs))
-    from_statistics = report.advice()["loss_scale"]["initial"]
     if not held or not (overflowed or _scaled_rows(report)):
         return report
     if not _all_finite(jax.tree.leaves(outs)[:1]) or bad_inputs:
         return report  # a non-finite loss or input: no loss scale makes the step finite
-    top = float(loss_scale) / 2 if overflowed else from_statistics
+    top = float(loss_scale) / 2 if overflowed else report.advice()["loss_scale"]["initial"]
     return dataclasses.replace(report, finite_scale=_finite_scale(compiled, flat, top))
 
 

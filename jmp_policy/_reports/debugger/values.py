@@ -58,13 +58,6 @@ def _finfo(dtype: Any) -> tuple[float, float, float]:
     return float(finfo.max), float(finfo.smallest_normal), float(finfo.eps) / 2
 
 
-def is_scaled_format(dtype: Any) -> bool:
-    """Whether values of `dtype` are held with a scale of their own (float8 and float4: per
-    tensor, per row or per block, set from their amax), so that a small value is the format's
-    rounding, not a loss scale's underflow."""
-    return jnp.dtype(dtype).itemsize == 1
-
-
 class _Accumulator:
     """Per-layer statistics of the values `debug_precision` reads.
 
