@@ -24,6 +24,7 @@ from jmp_policy._reports.census import report_of_jaxpr
 
 eqx = pytest.importorskip("equinox")
 import equinox_examples as ex  # noqa: E402
+from cuda_program import assert_gpu_matmuls_in_low_precision, cuda_matmuls  # noqa: E402
 from parity import assert_matches_float32  # noqa: E402
 
 pytestmark = pytest.mark.standard_promotion  # user code: optax's Adam mixes float and int
@@ -98,6 +99,24 @@ def test_example_trains_in_half_precision_and_skips_an_overflow(task, integratio
     _assert_same(new_model, model)
     _assert_same(new_state.inner_state, opt_state.inner_state)
     assert float(jmp.get_loss_scale(new_state).loss_scale) == 2.0**14
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("integration", INTEGRATIONS)
+@pytest.mark.parametrize("task", sorted(ex.TASKS))
+def test_the_gpu_program_multiplies_in_16_bits(task, integration):
+    """The train step as a GPU compiles it (exported for CUDA on this machine): its matmuls
+    on bfloat16 operands, none taking a float32 operand beside a 16-bit one."""
+    model, opt_state, step, (inputs, targets) = _setup(task, integration, "mixed_bfloat16")
+    arrays, static = eqx.partition((model, opt_state), eqx.is_array)
+
+    def of_arrays(arrays, inputs, targets, key):
+        return step(*eqx.combine(arrays, static), inputs, targets, key)
+
+    found = cuda_matmuls(
+        jax.jit(of_arrays), arrays, _batch(inputs, 0), targets[0], jax.random.key(7)
+    )
+    assert_gpu_matmuls_in_low_precision(found, f"{task} under {integration}")
 
 
 @pytest.mark.parametrize("integration", INTEGRATIONS)

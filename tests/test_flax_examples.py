@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cuda_program import assert_gpu_matmuls_in_low_precision, cuda_matmuls
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -53,6 +54,10 @@ class _Trainer:
     def jaxpr(self, batch, rng):
         return jax.make_jaxpr(self._step)(*self.carry, batch, rng, ONE)
 
+    def gpu_matmuls(self, batch, rng):
+        """The matmuls of the train step's program for CUDA (`cuda_program`)."""
+        return cuda_matmuls(self._step, *self.carry, batch, rng, ONE)
+
     def step(self, batch, rng, gain=ONE):
         *self.carry, loss = self._step(*self.carry, batch, rng, gain)
         return loss
@@ -75,6 +80,13 @@ class _NnxTrainer(_Trainer):
         return jax.make_jaxpr(
             lambda state: self._step(*nnx.merge(graphdef, state), batch, rng, ONE)
         )(state)
+
+    def gpu_matmuls(self, batch, rng):
+        graphdef, state = nnx.split(self.carry)
+        return cuda_matmuls(
+            jax.jit(lambda state: self._step(*nnx.merge(graphdef, state), batch, rng, ONE)),
+            state,
+        )
 
     def step(self, batch, rng, gain=ONE):
         return self._step(*self.carry, batch, rng, gain)
@@ -209,6 +221,16 @@ def test_example_trains_in_half_precision_and_skips_an_overflow(task, integratio
     assert bool(trainer.scaling.last_step_skipped)
     _assert_same(trainer.carried(), before)
     assert float(trainer.scaling.loss_scale.loss_scale) == scale / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("task", "integration"), TASKS)
+def test_the_gpu_program_multiplies_in_16_bits(task, integration):
+    """The train step as a GPU compiles it (exported for CUDA on this machine): its matmuls
+    on bfloat16 operands, none taking a float32 operand beside a 16-bit one."""
+    trainer, data = _setup(task, integration, "mixed_bfloat16")
+    found = trainer.gpu_matmuls(_batch(data, 0), jax.random.key(7))
+    assert_gpu_matmuls_in_low_precision(found, f"{task} under {integration}")
 
 
 # The policies' own routes (autocast gives a reason only for sizes and names: test_fp8.py).

@@ -152,10 +152,24 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         invals = [broadcast(x) for x in invals]
     if eqn.primitive in _LAX_MATMULS:
         found = [ev.downcast(x) for x in invals]
-        if any(f is not None for f in found):
-            compute = next(x.dtype for x, f in zip(invals, found, strict=True) if f is not None)
+        preferred = eqn.params.get("preferred_element_type")
+        half_in = _half_among(invals)
+        wider = (
+            half_in is not None
+            and preferred is not None
+            and jnp.finfo(preferred).bits > jnp.finfo(half_in).bits
+        )
+        # On a weight's cast, the float32 weight goes in (its gradient made in float32).
+        # Accumulated wider than its 16-bit operands (`jax.nn.dot_product_attention`'s
+        # scores, preferred float32), the matmul's backward takes its cotangent in the
+        # operands' dtype: JAX's own transpose would multiply the float32 cotangent by a
+        # 16-bit operand, which a GPU runs as a float32 GEMM.
+        if any(f is not None for f in found) or wider:
+            compute = next(
+                (x.dtype for x, f in zip(invals, found, strict=True) if f is not None),
+                half_in,
+            )
             lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
-            preferred = eqn.params.get("preferred_element_type")
             wider = preferred is not None and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
 
             def op(lhs, rhs, preferred):
