@@ -178,10 +178,51 @@ def _half_among(values: Iterable) -> np.dtype | None:
     return None
 
 
+def _sums_in_transpose(eqn: Any, invals: list) -> bool:
+    """Whether `eqn`'s backward pass sums cotangents into each value of an operand: a gather
+    or a selection (`Rule.adds_in_transpose`), or a broadcast that repeats its operand (a
+    grouped-query attention's `jnp.repeat` of keys and values)."""
+    rule = _rules.rule_of(eqn)
+    if rule is not None and rule.adds_in_transpose:
+        return True
+    return _repeats(eqn, invals)
+
+
+def _repeats(eqn: Any, invals: list) -> bool:
+    return (
+        eqn.primitive is _jaxpr.BROADCAST_IN_DIM
+        and len(invals) == 1
+        and np.size(invals[0]) < int(np.prod(eqn.outvars[0].aval.shape))
+    )
+
+
 def _adding_in_float32(eqn: Any, invals: list) -> list:
-    """`eqn` (a gather: `Rule.adds_in_transpose`) on its floating operands cast to float32,
-    its result cast back: the same values (a gather rounds nothing), and the backward pass's
-    sum of the cotangents (the gather's transpose, a scatter-add) made in float32. It is
+    """`_sums_in_transpose`'s equation with its backward pass's sum made in float32: a
+    repeating broadcast as it is, its transpose (a sum) on the cotangent cast to float32; any
+    other (`_gathering_in_float32`) on operands cast to float32."""
+    if not _repeats(eqn, invals):
+        return _gathering_in_float32(eqn, invals)
+    (x,) = invals
+
+    @jax.custom_vjp
+    def repeated(x):
+        return _bind(eqn, [x])[0]
+
+    def backward(_, cotangent):
+        wide = jax.ShapeDtypeStruct(np.shape(x), _FLOAT32)
+        (grad,) = jax.linear_transpose(lambda y: _bind(eqn, [y])[0], wide)(
+            _cast(cotangent, _FLOAT32)
+        )
+        return (_cast(grad, x.dtype),)
+
+    repeated.defvjp(lambda x: (repeated(x), None), backward)
+    return [repeated(x)]
+
+
+def _gathering_in_float32(eqn: Any, invals: list) -> list:
+    """`eqn` (a gather or a selection: `Rule.adds_in_transpose`) on its floating operands
+    cast to float32, its result cast back: the same values (it rounds nothing), and the
+    backward pass's sum of the cotangents (a scatter-add) made in float32. It is
     linear: nothing of its operands is kept for the backward pass."""
     outs = _bind(eqn, [_cast(x, _FLOAT32) for x in invals])
     return [_cast(o, invals[0].dtype) for o in outs]
@@ -270,7 +311,7 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
     elementwise = rule is not None and rule.elementwise
     shape = eqn.outvars[0].aval.shape if rules.reduce and elementwise else None
     met = [_meeting(ev, x, target, shape) for x in invals]
-    if rule is not None and rule.adds_in_transpose and _half_among(met) is not None:
+    if _sums_in_transpose(eqn, met) and _half_among(met) is not None:
         outs = _adding_in_float32(eqn, met)
     else:
         outs = _bind(eqn, met)

@@ -14,10 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Literal
 
 from jmp_policy._autocast.activations import (
+    ISLAND,
+    STATISTIC,
     WEIGHT,
     combined,
+    meet,
     weight_at_use,
 )
 from jmp_policy._autocast.evaluation import (
@@ -37,6 +41,7 @@ from jmp_policy._autocast.ops import (
     _half_among,
     _in_float32,
     _source_context,
+    _sums_in_transpose,
 )
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import rules as _rules
@@ -123,9 +128,35 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
     Either way the forward values are the same, and the gradient is summed across devices
     in float32."""
     rule = _rules.rule_of(eqn)
+    # Values held in float32 where the program has a 16-bit dtype: the float32 list's results
+    # and the float32 arithmetic on them. An elementwise op, the float32 list, and an op on
+    # one floating operand (a reshape, a broadcast, a slice, a max) take them as they are;
+    # any other op (a matmul, a concatenation, a custom function) gets them back in the
+    # dtype it was traced with, where the model continues in it.
+    avals = _avals(eqn.invars)
+    held = any(
+        _is_float(x) and (x.dtype != a.dtype or ev.kind(x) in (ISLAND, STATISTIC))
+        for x, a in zip(invals, avals, strict=True)
+    )
+    if held and eqn.primitive is _jaxpr.CONVERT and invals[0].dtype == _FLOAT32:
+        # Cast down (JAX's own `jnp.sum` of 16-bit values sums in float32 and casts back; a
+        # model's `rsqrt(var).astype(x.dtype)`): held on, the op that takes it decides.
+        return [invals[0]]
+    follows = rule is not None and (
+        rule.elementwise
+        or rule.runs_in == _rules.FLOAT32
+        or (rule.runs_in == _rules.OPERANDS and sum(map(_is_float, invals)) == 1)
+    )
+    if held and not follows:
+        invals, held = _cast_like_avals(invals, avals), False
+    if held:  # a constant of the program (`var + 1e-6`) is no activation: in float32
+        invals = [
+            _cast(x, _FLOAT32) if isinstance(v, Literal) and _is_float(x) else x
+            for x, v in zip(invals, eqn.invars, strict=True)
+        ]
     # A weight's cast moved (reshaped, or its rows gathered: an embedding): the float32
     # weight moved, then cast.
-    moves = rule is not None and (rule.layout or rule.adds_in_transpose)
+    moves = rule is not None and (rule.layout or rule.adds_in_transpose) and len(eqn.outvars) == 1
     moved = ev.downcast(invals[0]) if moves and invals else None
     if moved is not None:
         half, weight = moved
@@ -166,38 +197,73 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         # 16-bit operand, which a GPU runs as a float32 GEMM.
         if any(f is not None for f in found) or wider:
             compute = next(
-                (x.dtype for x, f in zip(invals, found, strict=True) if f is not None),
-                half_in,
+                (x.dtype for x, f in zip(invals, found, strict=True) if f is not None), half_in
             )
+            assert compute is not None  # a weight's cast, or the 16-bit operands
             lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
             wider = preferred is not None and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
 
+            # An algorithm preset (`jax.nn.dot_product_attention`'s F16_F16_F32) names the
+            # dtypes it was traced with, which XLA:CPU cannot run: `mixed` says the same with
+            # its operands' dtypes and `preferred_element_type`.
+            params = dict(eqn.params)
+            if isinstance(params.get("precision"), lax.DotAlgorithmPreset):
+                params["precision"] = None
+
             def op(lhs, rhs, preferred):
                 return _LAX_MATMULS[eqn.primitive](
-                    lhs, rhs, **{**eqn.params, "preferred_element_type": preferred}
+                    lhs, rhs, **{**params, "preferred_element_type": preferred}
                 )
 
             with _source_context(eqn):
                 out = mixed(op, compute, preferred if wider else None, lhs, rhs)
             return [_cast(out, eqn.outvars[0].aval.dtype)]
     half = _half_among(invals)
-    if half is not None and rule is not None and rule.runs_in == _rules.FLOAT32:
+    if rule is not None and rule.runs_in == _rules.FLOAT32 and (half is not None or held):
         # The float32 list, in the model's own code too (a segment sum, exp, log, a
         # cumulative sum): computed in float32 (a weight's cast from its float32 weight),
-        # handed back in the dtype it was traced with.
+        # and held in float32 for the float32 arithmetic that uses it (`_meeting_held`).
         wide = [x if (found := ev.downcast(x)) is None else found[1] for x in invals]
-        return _cast_like_avals(_in_float32(ev, eqn, wide, half), _avals(eqn.outvars))
-    if half is not None and rule is not None and rule.adds_in_transpose:
+        return _in_float32(ev, eqn, wide, half or _half_among(_avals(eqn.outvars)))
+    if held:
+        return _meeting_held(ev, eqn, invals)
+    if half is not None and _sums_in_transpose(eqn, invals):
         return _adding_in_float32(eqn, invals)
     outs = _bind(eqn, invals)
-    if (
-        eqn.primitive is _jaxpr.CONVERT
-        and ev.is_weight(invals[0])
-        and invals[0].dtype == _FLOAT32
-        and _is_float(outs[0])
-        and jnp.finfo(outs[0].dtype).bits == 16
-    ):
-        ev.add_downcast(outs[0], invals[0])
+    if held:  # a reshape, a slice or a max of a float32 island or statistic is one too
+        ev.record(outs, combined(ev.kinds_of(invals)))
+    elif eqn.primitive is _jaxpr.CONVERT and _is_float(invals[0]) and _is_float(outs[0]):
+        bits = jnp.finfo(invals[0].dtype).bits, jnp.finfo(outs[0].dtype).bits
+        if ev.is_weight(invals[0]) and invals[0].dtype == _FLOAT32 and bits[1] == 16:
+            ev.add_downcast(outs[0], invals[0])
+        elif bits == (16, 32) and ev.downcast(invals[0]) is None:
+            # An activation in float32 (JAX's own sum of 16-bit values, the model's cast):
+            # the float32 arithmetic on it is an island (`_meeting_held`).
+            ev.record(outs, ISLAND)
+    return outs
+
+
+def _meeting_held(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """`cast_at_use`: an elementwise op on a value held in float32 (`_eval_cast_at_use`), by
+    autocast's rule for where half-precision activations meet float32 values
+    (`activations.meet`): float32 where a statistic is among its operands (`x / sum(x)`,
+    `x * rsqrt(var)`: softmax's quotient and a norm's scaling, and their derivatives, in
+    float32), else the activations' dtype, the held values handed back to it."""
+    strong = [
+        i
+        for i, x in enumerate(invals)
+        if _is_float(x) and not getattr(eqn.invars[i].aval, "weak_type", False)
+    ]
+    if not strong:
+        outs = _bind(eqn, invals)
+        ev.record(outs, combined(ev.kinds_of(invals)))
+        return outs
+    target, kind = meet([invals[i].dtype for i in strong], [ev.kind(invals[i]) for i in strong])
+    if target == _FLOAT32 and kind == ISLAND:
+        # where the program computes in 16 bits, its full-size operands kept in 16 bits
+        return _in_float32(ev, eqn, invals, _half_among(_avals(eqn.outvars)))
+    outs = _bind(eqn, [_cast(x, target) for x in invals])
+    ev.record(outs, kind)
     return outs
 
 
@@ -219,8 +285,9 @@ def _eval_custom_derivative(ev: _Evaluation, eqn: Any, invals: list) -> list:
     the dtypes it was written for. Rebuilt with the public APIs from JAX's own derivative of
     the equation: `custom_jvp`'s rule traced by `jax.jvp` and run by the rules, its outputs
     cast back; `custom_vjp`'s forward pass (`jax.vjp`: the outputs and the residuals the
-    backward pass keeps) run by the rules and cast back, and its backward pass run as
-    written on those residuals."""
+    backward pass keeps) run by the rules and cast back, and its backward pass, JAX's
+    pullback on those residuals, run by the rules and cast back (torch.amp's `custom_fwd` and
+    `custom_bwd`: both passes under the region's autocast)."""
     n_out = len(eqn.outvars)
     body = _jaxpr.inlined_body(eqn)  # the function's own program
     ev = ev.naming_nothing()
@@ -285,7 +352,15 @@ def _eval_custom_derivative(ev: _Evaluation, eqn: Any, invals: list) -> list:
 
     def bwd(residuals, cotangents):
         cotangents = [_instantiated(c) for c in cotangents]
-        grads = iter(jax.tree.unflatten(pullback[0], residuals)(cotangents))
+        n = len(residuals)
+
+        def pull(*both: Any) -> list:
+            return list(jax.tree.unflatten(pullback[0], list(both[:n]))(list(both[n:])))
+
+        # The backward rule by the rules too (torch.amp's `custom_bwd`): a rule that runs the
+        # model again (diffrax's checkpointed adjoint re-runs each solver step) multiplies
+        # in the compute dtype, as the forward pass does.
+        grads = iter(_rewritten(pull, [*residuals, *cotangents], ev))
         return tuple(next(grads) if p else None for p in perturbed[0])
 
     fun.defvjp(fwd, bwd, symbolic_zeros=True)

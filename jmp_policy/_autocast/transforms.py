@@ -19,8 +19,9 @@ Nested `jit` is inlined; `scan`, `while_loop`, `cond`/`switch` and
 `jax.checkpoint` are rebuilt with their bodies autocast (loop carries keep the
 dtype of their initial value, branches agree on the widest dtype); a function
 with a custom derivative (`custom_jvp`, `custom_vjp`) computes by the rules and
-keeps its derivative rule as written, on values in the dtypes it was written
-for. `full_precision(fun)` marks a float32 region, and an inner `autocast` with
+keeps its derivative rule: a `custom_jvp`'s on values in the dtypes it was written
+for, a `custom_vjp`'s backward pass by the rules too (torch.amp's `custom_bwd`).
+`full_precision(fun)` marks a float32 region, and an inner `autocast` with
 another policy is kept as it is.
 
 This module holds the public transforms; `_autocast_call` the function they return

@@ -73,6 +73,7 @@ SHARD_MAP_NAME = "shard_map"
 import (tests/test_jaxpr.py checks the name)."""
 
 CONVERT = _primitives.convert_element_type_p
+BROADCAST_IN_DIM = _primitives.broadcast_in_dim_p
 BITCAST = _primitives.bitcast_convert_type_p
 REMAT = _primitives.remat_p
 SCAN = _primitives.scan_p

@@ -131,9 +131,13 @@ _TABLE_BY_NAME: dict[str, Rule] = {
     ),
     # Sorts, and collectives (computing them again would communicate again).
     **dict.fromkeys(
-        "sort top_k approx_top_k psum pmax pmin psum_invariant all_gather all_to_all ppermute "
-        "ragged_all_to_all reduce_scatter".split(),
+        "sort psum pmax pmin psum_invariant all_gather all_to_all ppermute ragged_all_to_all "
+        "reduce_scatter".split(),
         Rule(OPERANDS, kept=True),
+    ),
+    # a selection: its derivative gathers the chosen entries, its transpose scatter-adds them
+    **dict.fromkeys(
+        "top_k approx_top_k".split(), Rule(OPERANDS, kept=True, adds_in_transpose=True)
     ),
     **dict.fromkeys(
         "bitcast_convert_type custom_lin reduce reduce_window create_token after_all get swap "
@@ -141,6 +145,10 @@ _TABLE_BY_NAME: dict[str, Rule] = {
         Rule(AS_TRACED),
     ),
     **dict.fromkeys(["custom_linear_solve", "xla_pmap"], Rule(AS_TRACED, kept=True)),
+    # Equinox's own primitives, in the loops diffrax's solvers run: a buffer write, a select
+    # made only under vmap (data movement, in the dtypes the loop carries), and `vprim`, the
+    # primitive Equinox's batching-aware primitives bind (in the adjoint's backward pass)
+    **dict.fromkeys(["maybe_set", "select_if_vmap", "vprim"], Rule(AS_TRACED)),
 }
 
 _EXPORTED = {p.name: p for p in vars(_primitives).values() if isinstance(p, jcore.Primitive)}
