@@ -36,12 +36,19 @@ def assert_matches_float32(
     policy: str,
     tolerance: float,
     seeds: tuple[int, ...] = (0, 1),
+    both_signs: bool = False,
 ) -> None:
     """`final_loss(case, integration, policy, seed, perturb=0.0)` against float32's
-    (`integration` "-"), for each seed."""
+    (`integration` "-"), for each seed. `both_signs`: float32's noise is the larger of the
+    perturbation and its mirror image (`perturb` -2^-11), for a model whose training a single
+    draw underestimates (a mixture of experts' routing: 0.06% to 3.4% over three draws)."""
     for seed in seeds:
         reference = final_loss(case, "-", "float32", seed)
-        noise = abs(final_loss(case, "-", "float32", seed, PERTURBATION) - reference) / reference
+        signs = (1, -1) if both_signs else (1,)
+        noise = max(
+            abs(final_loss(case, "-", "float32", seed, sign * PERTURBATION) - reference) / reference
+            for sign in signs
+        )
         got = final_loss(case, integration, policy, seed)
         off = abs(got - reference) / reference
         assert off <= max(tolerance, noise), (
