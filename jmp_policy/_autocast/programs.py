@@ -259,7 +259,13 @@ def _meeting_held(ev: _Evaluation, eqn: Any, invals: list) -> list:
         ev.record(outs, combined(ev.kinds_of(invals)))
         return outs
     target, kind = meet([invals[i].dtype for i in strong], [ev.kind(invals[i]) for i in strong])
-    if target == _FLOAT32 and kind == ISLAND:
+    # Scaled or divided by a constant (GELU's `0.044715 * x**3`): linear in its one variable,
+    # so JAX's derivative keeps nothing of it, nor does this.
+    variables = [i for i in strong if not isinstance(eqn.invars[i], Literal)]
+    by_constant = len(variables) == 1 and (
+        eqn.primitive is _jaxpr.MUL or (eqn.primitive is _jaxpr.DIV and variables == [0])
+    )
+    if target == _FLOAT32 and kind == ISLAND and not by_constant:
         # where the program computes in 16 bits, its full-size operands kept in 16 bits
         return _in_float32(ev, eqn, invals, _half_among(_avals(eqn.outvars)))
     outs = _bind(eqn, [_cast(x, target) for x in invals])

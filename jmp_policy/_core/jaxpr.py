@@ -262,6 +262,7 @@ def walk(program: Any, times: int = 1, outer: Any | None = None) -> Iterator[tup
 
 
 DIV = _primitives.div_p
+MUL = _primitives.mul_p
 LAX_MATMULS: dict[Any, Callable[..., Any]] = {
     DOT_GENERAL: lax.dot_general,
     CONV: lax.conv_general_dilated,
