@@ -166,6 +166,18 @@ def _largest_change(new, old) -> float:
 
 
 @pytest.mark.slow  # a benchmark's run: .ci/run's slow lane
+def test_first_trace_benchmark_of_the_train_step_prints_a_ratio_per_route():
+    text = load("benchmarks/bench_first_call.py").main(
+        ["--step", "--linen-blocks", "1", "--nnx-blocks", "1", "--repeats", "1"]
+    )
+    rows = [line.split("|")[1:-1] for line in text.splitlines()[2:]]
+    assert [r[0].strip() for r in rows] == ["Linen GPT, 1 blocks", "NNX GPT, 1 blocks"]
+    for row in rows:  # the own recipe's time, then the policy's and autocast's ratios to it
+        assert float(row[1].split()[0]) > 0
+        assert all(float(cell.strip().rstrip("x")) > 0 for cell in row[2:])
+
+
+@pytest.mark.slow  # a benchmark's run: .ci/run's slow lane
 def test_benchmark_floor_is_loss_scaling_without_the_check():
     # The floor row claims to be loss_scaling's step minus the gradient check:
     # on a finite step both must compute the same parameters, bit for bit.
