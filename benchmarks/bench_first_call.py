@@ -113,13 +113,18 @@ def linen_row(blocks: int, repeats: int, stack: bool = False) -> str:
     )
 
 
-def nnx_row(blocks: int, repeats: int) -> str:
-    tokens = jnp.zeros((2, 32), jnp.int32)
+def _nnx_own_recipe(blocks: int) -> tuple:
+    """`nnx.split` of the NNX GPT with Flax's own `dtype=bfloat16` on every layer."""
     own = NNXGPT(64, 64, blocks, rngs=nnx.Rngs(0))
-    for _, module in nnx.iter_graph(own):  # Flax's own dtype= on every layer
+    for _, module in nnx.iter_graph(own):
         if isinstance(module, nnx.Module) and hasattr(module, "dtype"):
             module.dtype = jnp.bfloat16
-    graph, state = nnx.split(own)
+    return nnx.split(own)
+
+
+def nnx_row(blocks: int, repeats: int) -> str:
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    graph, state = _nnx_own_recipe(blocks)
     base = _best(
         lambda: jax.make_jaxpr(lambda s, t: nnx.merge(graph, s)(t))(state, tokens), repeats
     )
@@ -181,11 +186,7 @@ def _linen_step_row(blocks: int, repeats: int) -> str:
 
 def _nnx_step_row(blocks: int, repeats: int) -> str:
     tokens = jnp.zeros((2, 32), jnp.int32)
-    own = NNXGPT(64, 64, blocks, rngs=nnx.Rngs(0))
-    for _, module in nnx.iter_graph(own):  # Flax's own dtype= on every layer
-        if isinstance(module, nnx.Module) and hasattr(module, "dtype"):
-            module.dtype = jnp.bfloat16
-    own_graph, own_state = nnx.split(own)
+    own_graph, own_state = _nnx_own_recipe(blocks)
     base = _first_trace(
         lambda: _loss_of(lambda s, t: nnx.merge(own_graph, s)(t)), (own_state, tokens), repeats
     )
