@@ -95,3 +95,20 @@ def test_the_models_own_log_softmax_sums_and_segment_sums_run_in_float32(integra
         assert by_op.get(op) == {"float32"}, (op, by_op.get(op))
     # (the forward pass's: XLA:CPU widens a bfloat16 weight gradient's matmul, `matmul.py`)
     assert report_of_jaxpr(jax.make_jaxpr(loss)(weights, x, segments)).half_matmul_flop_share == 1
+
+
+def test_a_float32_list_result_cast_to_integers_is_integers():
+    """Under `cast_at_use` a float32-list result is held in float32 past a cast down to 16
+    bits; a cast to integers (an index the model computes) is a cast all the same."""
+    from jmp_policy.autocast import cast_at_use
+
+    def f(w, x, table):
+        h = x.astype(jnp.float16) @ w.astype(jnp.float16)
+        index = jnp.exp(h).astype(jnp.int32)  # exp: the float32 list
+        return jnp.take(table, index * 2 + 1, axis=0, mode="clip")
+
+    w, x = jnp.full((4, 3), 0.25), jnp.arange(8.0).reshape(2, 4) / 8
+    table = jnp.arange(10.0)
+    got = jax.jit(cast_at_use(f))(w, x, table)
+    np.testing.assert_array_equal(got, f(w, x, table))
+    assert got.dtype == jnp.float32

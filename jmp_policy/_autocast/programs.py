@@ -139,9 +139,12 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         for x, a in zip(invals, avals, strict=True)
     )
     if held and eqn.primitive is _jaxpr.CONVERT and invals[0].dtype == _FLOAT32:
-        # Cast down (JAX's own `jnp.sum` of 16-bit values sums in float32 and casts back; a
-        # model's `rsqrt(var).astype(x.dtype)`): held on, the op that takes it decides.
-        return [invals[0]]
+        to = eqn.outvars[0].aval.dtype
+        if jnp.issubdtype(to, jnp.floating) and jnp.finfo(to).bits == 16:
+            # Cast down to 16 bits (JAX's own `jnp.sum` of 16-bit values sums in float32 and
+            # casts back; a model's `rsqrt(var).astype(x.dtype)`): held on, the op that
+            # takes it decides.
+            return [invals[0]]
     follows = rule is not None and (
         rule.elementwise
         or rule.runs_in == _rules.FLOAT32
