@@ -51,8 +51,8 @@ class Rule:
     `layout`: it moves every value without dropping or combining any, so a cast commutes
     with it.
     `adds_in_transpose`: its backward pass adds many cotangents into one value (a gather's
-    transpose is a scatter-add: every edge a graph's hub sends adds into the hub), so that
-    sum is made in float32.
+    transpose is a scatter-add: every edge a graph's hub sends adds into the hub; `top_k`'s
+    derivative is such a gather), so that sum is made in float32.
     `kept`: its outputs are worth keeping for the backward pass rather than computing again
     (matmuls, decompositions, sorts, collectives); what is not kept, autocast recomputes
     from what is (`kept_for_backward`).
