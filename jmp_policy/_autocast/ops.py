@@ -297,7 +297,7 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
     island_half = None if ev.keeps is not None else rules.compute
     if name in rules.deny:
         return _in_float32(ev, eqn, invals, island_half)
-    strong = [i for i in floating if not getattr(eqn.invars[i].aval, "weak_type", False)]
+    strong = _strong(eqn, floating)
     if not strong:
         outs = _bind(eqn, invals)
         ev.record(outs, combined(ev.kinds_of(invals)))
@@ -317,6 +317,12 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
         outs = _bind(eqn, met)
     ev.record(outs, kind)
     return outs
+
+
+def _strong(eqn: Any, floating: list) -> list:
+    """The positions among `floating` whose operand is strongly typed (a Python scalar is
+    weak): the operands `activations.meet` weighs."""
+    return [i for i in floating if not getattr(eqn.invars[i].aval, "weak_type", False)]
 
 
 def _meeting(ev: _Evaluation, x: Any, target: Any, shape: tuple | None) -> Any:

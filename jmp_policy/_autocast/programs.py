@@ -41,6 +41,7 @@ from jmp_policy._autocast.ops import (
     _half_among,
     _in_float32,
     _source_context,
+    _strong,
     _sums_in_transpose,
 )
 from jmp_policy._core import jaxpr as _jaxpr
@@ -187,11 +188,14 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
     if eqn.primitive in _LAX_MATMULS:
         found = [ev.downcast(x) for x in invals]
         preferred = eqn.params.get("preferred_element_type")
-        half_in = _half_among(invals)
+        compute = next(
+            (x.dtype for x, f in zip(invals, found, strict=True) if f is not None),
+            _half_among(invals),
+        )
         wider = (
-            half_in is not None
+            compute is not None
             and preferred is not None
-            and jnp.finfo(preferred).bits > jnp.finfo(half_in).bits
+            and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
         )
         # On a weight's cast, the float32 weight goes in (its gradient made in float32).
         # Accumulated wider than its 16-bit operands (`jax.nn.dot_product_attention`'s
@@ -199,12 +203,8 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         # operands' dtype: JAX's own transpose would multiply the float32 cotangent by a
         # 16-bit operand, which a GPU runs as a float32 GEMM.
         if any(f is not None for f in found) or wider:
-            compute = next(
-                (x.dtype for x, f in zip(invals, found, strict=True) if f is not None), half_in
-            )
             assert compute is not None  # a weight's cast, or the 16-bit operands
             lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
-            wider = preferred is not None and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
 
             # An algorithm preset (`jax.nn.dot_product_attention`'s F16_F16_F32) names the
             # dtypes it was traced with, which XLA:CPU cannot run: `mixed` says the same with
@@ -252,11 +252,7 @@ def _meeting_held(ev: _Evaluation, eqn: Any, invals: list) -> list:
     (`activations.meet`): float32 where a statistic is among its operands (`x / sum(x)`,
     `x * rsqrt(var)`: softmax's quotient and a norm's scaling, and their derivatives, in
     float32), else the activations' dtype, the held values handed back to it."""
-    strong = [
-        i
-        for i, x in enumerate(invals)
-        if _is_float(x) and not getattr(eqn.invars[i].aval, "weak_type", False)
-    ]
+    strong = _strong(eqn, [i for i, x in enumerate(invals) if _is_float(x)])
     if not strong:
         outs = _bind(eqn, invals)
         ev.record(outs, combined(ev.kinds_of(invals)))

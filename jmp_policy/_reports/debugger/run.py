@@ -278,10 +278,11 @@ def debug_precision(
     # Under a policy the program computes in the held dtypes: the advised scale is checked
     # there. Where the gradients overflowed at `loss_scale`, their statistics hold no amax to
     # advise from, and the search starts below it.
-    overflowed = not _all_finite(jax.tree.leaves(outs))
+    values = jax.tree.leaves(outs)  # the loss, then the gradients
+    overflowed = not _all_finite(values)
     if not held or not (overflowed or _scaled_rows(report)):
         return report
-    if not _all_finite(jax.tree.leaves(outs)[:1]) or bad_inputs:
+    if not _all_finite(values[:1]) or bad_inputs:
         return report  # a non-finite loss or input: no loss scale makes the step finite
     top = float(loss_scale) / 2 if overflowed else report.advice()["loss_scale"]["initial"]
     return dataclasses.replace(report, finite_scale=_finite_scale(compiled, flat, top))
