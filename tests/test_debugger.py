@@ -657,7 +657,7 @@ def test_other_threads_call_modules_as_they_are_while_the_debugger_names_them():
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)
 
-    with _naming.module_names():  # the classes are patched while this thread traces
+    with _naming.module_names():  # this thread's calls are named while it traces
         thread = threading.Thread(target=other)
         thread.start()
         thread.join()

@@ -84,3 +84,35 @@ def test_eight_threads_get_the_single_threaded_results_and_leave_every_class_as_
     after = _own_calls()
     assert after.keys() == before.keys()
     assert all(after[cls] is own for cls, own in before.items())
+
+
+def test_naming_changes_no_class_and_no_other_threads_profile_and_puts_back_the_callers():
+    """While a thread names module calls, every class keeps its own `__call__` (nothing
+    process-wide is patched), another thread's profile function is its own, and the caller's
+    profile function (a profiler's) is back afterwards, also after an exception."""
+    import sys
+    import threading
+
+    from jmp_policy._core import naming as _naming
+
+    model = _NnxMLP(nnx.Rngs(0))
+    before, seen = _own_calls(), []
+
+    def callers_profile(frame, event, arg):
+        return None
+
+    sys.setprofile(callers_profile)
+    try:
+        with pytest.raises(RuntimeError, match="inside"), _naming.module_names():
+            assert _own_calls() == before
+            assert sys.getprofile() is not callers_profile  # this thread's calls are seen
+            thread = threading.Thread(target=lambda: seen.append(sys.getprofile()))
+            thread.start()
+            thread.join()
+            jax.make_jaxpr(model)(jnp.ones((2, 8)))
+            raise RuntimeError("inside")
+        assert sys.getprofile() is callers_profile
+    finally:
+        sys.setprofile(None)
+    assert seen == [None]
+    assert not _naming.active()

@@ -10,15 +10,16 @@ path of the one module of its class below its caller, the one it was rebuilt fro
 `overrides` take); where there is no such single module, it is a root of its own, inside its
 caller's scope.
 
-Calls are intercepted by replacing `__call__` on the module classes for the duration of the
-trace (and only then; other threads' calls pass straight through:
-`test_other_threads_call_modules_as_they_are_while_the_debugger_names_them`); the debugger and
-`precision_report` use it, nothing in a train step does. Scoped subclasses given to the
-instances instead (as `nnx.mixed_precision` does for good) would name only the modules among the
-arguments: not those NNX's functional pattern builds inside the function
-(`nnx.merge(graphdef, state)` with the graph definition closed over, the State the argument:
-`test_nnx_layers_are_named_by_attribute_path[split-merge]`), nor a model the function closes
-over. The classes are the one place every instance passes through.
+Calls are seen by the calling thread's profile function (`sys.setprofile`, per thread) for
+the duration of the trace, and only then: no class is changed, and other threads' calls run as
+they are (`test_other_threads_call_modules_as_they_are_while_the_debugger_names_them`,
+tests/test_threads.py). The debugger and `precision_report` use it, nothing in a train step
+does. Scoped subclasses given to the instances instead (as `nnx.mixed_precision` does) would
+name only the modules among the arguments: not those NNX's functional pattern builds inside the
+function (`nnx.merge(graphdef, state)` with the graph definition closed over, the State the
+argument: `test_nnx_layers_are_named_by_attribute_path[split-merge]`), nor a model the function
+closes over. Every call passes through the thread's profile function. Modules are recognised by
+identity (a list of the ones met, searched with `is`), not by a table of their `id()`s.
 
 `module_path` reads the module path a name stack names (Linen's, or these scopes), as the
 integrations' `overrides` take it, and `relative` drops the root's own name.
@@ -42,7 +43,7 @@ _LIBRARIES = ("equinox", "flax")
 
 def active() -> bool:
     """Whether module calls are being named (part of autocast's program cache key)."""
-    return getattr(_STATE, "paths", None) is not None
+    return getattr(_STATE, "known", None) is not None
 
 
 def _bases() -> list[type]:
@@ -55,28 +56,18 @@ def _bases() -> list[type]:
     return bases
 
 
-def _classes_with_call(base: type) -> set[type]:
-    found, todo = set(), [base]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            if sub not in found:
-                found.add(sub)
-                todo.append(sub)
-    # This library's own classes (`nnx.mixed_precision`'s scoped subclasses, which open their
-    # own scopes; `jmp_policy.eqx.MixedPrecision`, a wrapper) and private ones are not the
-    # user's modules.
-    return {
-        c
-        for c in found
-        if "__call__" in vars(c)
-        and "_jmp_policy_base" not in vars(c)
-        and not c.__module__.startswith("jmp_policy")
-        # Private wrappers of the libraries (Equinox's `_VmapWrapper`); a user's private
-        # module is a module.
-        and not (c.__name__.startswith("_") and c.__module__.split(".")[0] in _LIBRARIES)
-        # Equinox's own machinery (a bound method is a module); its layers are `equinox.nn`'s.
-        and not (c.__module__.startswith("equinox.") and not c.__module__.startswith("equinox.nn"))
-    }
+def _users_call(code: Any, module_name: str) -> bool:
+    """Whether a `__call__`'s code is a user's module's: not this library's own classes
+    (`nnx.mixed_precision`'s scoped subclasses, which open their own scopes;
+    `jmp_policy.eqx.MixedPrecision`, a wrapper), not the libraries' private wrappers
+    (Equinox's `_VmapWrapper`; a user's private module is a module), nor Equinox's own
+    machinery (a bound method is a module; its layers are `equinox.nn`'s)."""
+    if module_name.startswith("jmp_policy"):
+        return False
+    owner = code.co_qualname.rsplit(".", 2)[-2] if "." in code.co_qualname else ""
+    if owner.startswith("_") and module_name.split(".")[0] in _LIBRARIES:
+        return False
+    return not (module_name.startswith("equinox.") and not module_name.startswith("equinox.nn"))
 
 
 def _is_module(x: Any) -> bool:
@@ -123,40 +114,61 @@ def _submodules(root: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
         yield tuple(key_name(k) for k in keys), module
 
 
-def _named(original: Any) -> Any:
-    def __call__(self, *args, **kwargs):
-        call = original.__get__(self, type(self))
-        if not active():  # another thread, tracing while the classes are patched
-            return call(*args, **kwargs)
-        stack = _STATE.stack
-        if stack and stack[-1][0] is self:  # super().__call__: already in its scope
-            return call(*args, **kwargs)
-        if hasattr(self, "_jmp_policy_scope") and not hasattr(self, "_jmp_policy_root"):
-            return call(*args, **kwargs)  # scoped by `nnx.mixed_precision` already
-        known = _STATE.paths.get(id(self))
-        if known is None:
-            # A module rebuilt inside a transform (`nnx.scan` over layers `nnx.vmap` made)
-            # stands for the one module of its class below its caller; else it is a root:
-            # its class names it. Its submodules get paths below it.
-            outer = stack[-1][1] if stack else ()
-            path = _stands_for(self, outer) or (*outer, _UNSAFE.sub("_", type(self).__name__))
-            _STATE.paths[id(self)] = (self, path)
-            for sub_path, sub in _submodules(self):
-                _STATE.paths.setdefault(id(sub), (sub, path + sub_path))
-        else:
-            path = known[1]
-        outer = stack[-1][1] if stack else ()
-        scope = path[len(outer) :] if path[: len(outer)] == outer else path
-        stack.append((self, path))
-        try:
-            with contextlib.ExitStack() as scopes:
-                for name in scope:
-                    scopes.enter_context(jax.named_scope(name))
-                return call(*args, **kwargs)
-        finally:
-            stack.pop()
+class _Entered:
+    """A module call this thread is in: the module, its path, the frame of its `__call__`,
+    and the name scopes it opened."""
 
-    return __call__
+    __slots__ = ("frame", "module", "path", "scopes")
+
+    def __init__(self, module: Any, path: tuple[str, ...], frame: Any):
+        self.module, self.path, self.frame = module, path, frame
+        self.scopes = contextlib.ExitStack()
+
+
+def _known_path(module: Any) -> tuple[str, ...] | None:
+    return next((path for known, path in _STATE.known if known is module), None)
+
+
+def _entering(frame: Any) -> None:
+    """A `__call__` starts in this thread: if it is a module's, its call runs in the name
+    scopes of its path (below the module calling it)."""
+    code = frame.f_code
+    if not code.co_argcount or not _users_call(code, frame.f_globals.get("__name__", "")):
+        return
+    module = frame.f_locals.get(code.co_varnames[0])
+    if not _is_module(module):
+        return
+    stack = _STATE.stack
+    if stack and stack[-1].module is module:  # super().__call__: already in its scope
+        return
+    if hasattr(module, "_jmp_policy_scope") and not hasattr(module, "_jmp_policy_root"):
+        return  # scoped by `nnx.mixed_precision` already
+    outer = stack[-1].path if stack else ()
+    path = _known_path(module)
+    if path is None:
+        # A module rebuilt inside a transform (`nnx.scan` over layers `nnx.vmap` made)
+        # stands for the one module of its class below its caller; else it is a root:
+        # its class names it. Its submodules get paths below it.
+        path = _stands_for(module, outer) or (*outer, _UNSAFE.sub("_", type(module).__name__))
+        _STATE.known.append((module, path))
+        for sub_path, sub in _submodules(module):
+            if _known_path(sub) is None:
+                _STATE.known.append((sub, path + sub_path))
+    entered = _Entered(module, path, frame)
+    for name in path[len(outer) :] if path[: len(outer)] == outer else path:
+        entered.scopes.enter_context(jax.named_scope(name))
+    stack.append(entered)
+
+
+def _profile(event_frame: Any, event: str, arg: Any) -> None:
+    """This thread's profile function while it names modules: Python calls and returns."""
+    if event == "call":
+        if event_frame.f_code.co_name == "__call__":
+            _entering(event_frame)
+    elif event == "return":
+        stack = _STATE.stack
+        if stack and stack[-1].frame is event_frame:  # returned, or raised out of
+            stack.pop().scopes.close()
 
 
 def _stands_for(module: Any, outer: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -166,49 +178,32 @@ def _stands_for(module: Any, outer: tuple[str, ...]) -> tuple[str, ...] | None:
         return None
     found = {
         path
-        for known, path in _STATE.paths.values()
+        for known, path in _STATE.known
         if type(known) is type(module) and known is not module and path[: len(outer)] == outer
     }
     return found.pop() if len(found) == 1 else None
 
 
-class _Patches:
-    """The classes' own `__call__`s while any thread names modules: patched when the first
-    thread enters `module_names`, restored when the last one leaves, under one lock (threads
-    that entered on their own each recorded the other's wrapper as the original, and the last
-    to leave restored a wrapper)."""
-
-    lock = threading.Lock()
-    originals: dict[type, Any] = {}
-    users = 0
-
-
 @contextlib.contextmanager
 def module_names() -> Iterator[None]:
-    """Within: NNX and Equinox module calls run in a name scope of their module path (in the
-    calling thread; other threads' calls pass through)."""
+    """Within: NNX and Equinox module calls run in a name scope of their module path, in the
+    calling thread only: its profile function (`sys.setprofile`, which is per thread) sees
+    each module's `__call__` begin and end; no class is changed, and other threads' calls
+    run as they are. A profile function the thread had before (a profiler's) is put back
+    after, and is paused within."""
     if active():
         yield
         return
-    with _Patches.lock:
-        if _Patches.users == 0:
-            _Patches.originals = {
-                cls: vars(cls)["__call__"] for base in _bases() for cls in _classes_with_call(base)
-            }
-            for cls, original in _Patches.originals.items():
-                type.__setattr__(cls, "__call__", _named(original))
-        _Patches.users += 1
-    _STATE.paths, _STATE.stack = {}, []
+    before = sys.getprofile()
+    _STATE.known, _STATE.stack = [], []
+    sys.setprofile(_profile)
     try:
         yield
     finally:
-        _STATE.paths = _STATE.stack = None
-        with _Patches.lock:
-            _Patches.users -= 1
-            if _Patches.users == 0:
-                for cls, original in _Patches.originals.items():
-                    type.__setattr__(cls, "__call__", original)
-                _Patches.originals = {}
+        sys.setprofile(before)
+        while _STATE.stack:  # left by an exception raised through the context
+            _STATE.stack.pop().scopes.close()
+        _STATE.known = _STATE.stack = None
 
 
 # --- module paths from name stacks ---------------------------------------------------

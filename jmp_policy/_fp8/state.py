@@ -202,15 +202,15 @@ class Sites:
     def __init__(self, recipe: DelayedScaling, states: tuple | None = None):
         self.recipe = recipe
         self._states = states
-        self._index: dict[int, tuple[Any, int]] = {}
+        self._index: dict[Any, int] = {}  # equation (hashed by identity) -> its number
         self._entries: list[Any] = []  # init: what each index holds
 
     def _number(self, eqn: Any) -> tuple[int, bool]:
-        found = self._index.get(id(eqn))
-        if found is not None and found[0] is eqn:
-            return found[1], False
+        found = self._index.get(eqn)
+        if found is not None:
+            return found, False
         index = len(self._index)
-        self._index[id(eqn)] = (eqn, index)
+        self._index[eqn] = index
         if self._states is not None and index >= len(self._states):
             raise ValueError(
                 "The `fp8_state` given holds fewer matmul states than this program has float8 "

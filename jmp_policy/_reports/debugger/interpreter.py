@@ -241,7 +241,7 @@ class _Collector(_Interpreter):
 
     def _where(self, eqn: Any) -> tuple:
         """Where this run of `eqn` sits: the same in every run of the program."""
-        key = (*self._place, id(eqn))
+        key = (*self._place, eqn)  # an equation is hashed by identity, and kept
         self._seen[key] = self._seen.get(key, -1) + 1
         return (*key, self._seen[key])
 
