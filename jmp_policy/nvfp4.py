@@ -1,0 +1,309 @@
+"""NVIDIA's NVFP4 training recipe (arXiv 2509.25149) for one linear layer: all three GEMMs in NVFP4.
+
+`nvfp4_matmul(x, w, key)` is `x @ w` (`x`: `(..., K)`, `w`: `(K, M)`) whose three GEMMs multiply
+NVFP4 operands: float4_e2m1fn values, one float8_e4m3fn scale per block of 16, and one float32
+scale per tensor that maps the tensor's amax to the largest value a block can hold (6 x 448),
+so the block scales use e4m3's whole range.
+
+- Forward, `x @ w`: `x` in blocks of 16 along K, `w` in 16x16 tiles, both rounded to nearest.
+- Data gradient, `g @ w.T`: the cotangent `g` in blocks along M, rounded stochastically; `w`
+  the same tiles as forward (a tile is a block along either axis), so the weight the gradient
+  sees is the one the forward pass multiplied.
+- Weight gradient, `x.T @ g`: both along the tokens (blocks of 16 rows), after a 16x16 random
+  Hadamard transform of both (its signs drawn from `key`): an orthogonal transform, so the
+  exact product is unchanged, and outliers are spread over their block before quantization.
+  `g` is rounded stochastically, `x` to nearest.
+
+`Recipe` switches each part off, to measure what it does: `gradients=False` is the forward-only
+NVFP4 of `"mixed_nvfp4"` today (the gradient GEMMs in float32, straight through).
+
+Where a GPU multiplies NVFP4 in hardware (`jmp_policy.block_scaled.hardware_path`: Blackwell),
+each GEMM is JAX's `jax.nn.scaled_matmul` of the quantized operands; elsewhere it is emulated:
+each value times its block's scale is exact in bfloat16 (a 2-bit and a 4-bit significand), so
+one dot of the dequantized operands with a float32 result, times the reciprocal of the two
+tensor scales' product, computes what the hardware does up to the order of the float32 sum (none
+where a GEMM contracts one block). Stochastic rounding is keyed: one key gives the same bits on
+every machine (`jax.random`'s draws), and `e2m1_stochastic_round` takes the draws themselves for
+a reference.
+
+This is the recipe's matmul; the policy that puts it in every layer of a model is not built yet
+(issue 74).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.typing import DTypeLike
+
+from jmp_policy.block_scaled import IMPLEMENTATIONS, hardware_path
+
+BLOCK = 16
+"""Values per block scale, and the side of a weight's tile and of the Hadamard transform."""
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+_E2M1, _E4M3 = jnp.float4_e2m1fn, jnp.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Which parts of the NVFP4 training recipe run (all, by default).
+
+    Attributes:
+      gradients: the data- and weight-gradient GEMMs in NVFP4; False: in float32, straight
+        through the forward pass's quantization (`"mixed_nvfp4"` today).
+      hadamard: the 16x16 random Hadamard transform of the weight-gradient GEMM's operands.
+      stochastic_rounding: the cotangent rounded stochastically in both gradient GEMMs; False:
+        to nearest.
+      weight_tiles: the weight quantized in 16x16 tiles, one quantization for the forward and
+        the data-gradient GEMMs; False: in blocks of 16 along the axis each GEMM contracts.
+    """
+
+    gradients: bool = True
+    hadamard: bool = True
+    stochastic_rounding: bool = True
+    weight_tiles: bool = True
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, bool):
+                raise TypeError(f"Expected True or False for `Recipe.{field.name}`, got {value!r}.")
+
+
+FORWARD_ONLY = Recipe(gradients=False)
+"""NVFP4 forward GEMMs only: what `"mixed_nvfp4"` does today (the ablation baseline)."""
+
+
+def hadamard_matrix(signs: jax.Array) -> jax.Array:
+    """The 16x16 random Hadamard transform `diag(signs) @ H / 4` (`H` Sylvester's, entries +-1):
+    orthogonal, so a product `a.T @ b` is unchanged when both are transformed along the axis
+    it contracts. `signs`: 16 values of +-1."""
+    h = np.array([[1.0]])
+    while h.shape[0] < BLOCK:
+        h = np.block([[h, h], [h, -h]])
+    return signs.astype(jnp.float32)[:, None] * jnp.asarray(h / np.sqrt(BLOCK), jnp.float32)
+
+
+def random_signs(key: jax.Array) -> jax.Array:
+    """The transform's 16 signs, drawn from `key`."""
+    return jnp.where(jax.random.bernoulli(key, 0.5, (BLOCK,)), 1.0, -1.0).astype(jnp.float32)
+
+
+def hadamard_rows(a: jax.Array, signs: jax.Array) -> jax.Array:
+    """`a` (2-D, rows a multiple of 16) with every block of 16 rows transformed:
+    `T.T @ block` for `T = hadamard_matrix(signs)`."""
+    rows, cols = a.shape
+    blocks = a.astype(jnp.float32).reshape(rows // BLOCK, BLOCK, cols)
+    return jnp.einsum("bnc,nm->bmc", blocks, hadamard_matrix(signs)).reshape(rows, cols)
+
+
+def _e2m1(v: jax.Array, uniform: jax.Array | None) -> jax.Array:
+    """`v` (float32) on the float4_e2m1fn grid, rounded by arithmetic that is exact in float32:
+    to nearest (ties to even) without `uniform`, else stochastically. Not XLA's conversion:
+    XLA:CPU's elemental emitter converts float32 to e2m1 through a wider float and rounds
+    twice (1.7497543 -> 1.75 -> 2.0, not 1.5: 912 of 3 million values differ from ml_dtypes'
+    with `--xla_backend_optimization_level=0`, none with XLA's defaults)."""
+    a = jnp.minimum(jnp.abs(v), E2M1_MAX)
+    gap = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(jnp.float32)
+    steps = jnp.floor(a / gap)  # the lower neighbour is `steps * gap`; an odd `steps` is odd
+    fraction = a / gap - steps
+    if uniform is None:
+        up = (fraction > 0.5) | ((fraction == 0.5) & (jnp.mod(steps, 2) == 1))
+    else:
+        up = uniform < fraction
+    return (jnp.sign(v) * (steps + up.astype(jnp.float32)) * gap).astype(_E2M1)
+
+
+def e2m1_stochastic_round(v: jax.Array, uniform: jax.Array) -> jax.Array:
+    """`v` (float32, within +-6) rounded to a neighbouring float4_e2m1fn value (0, 0.5, 1, 1.5,
+    2, 3, 4, 6 and their negatives), up in magnitude where `uniform` (draws in [0, 1), one per
+    value) is below the distance to the lower neighbour over the gap: unbiased, `E[q] = v`."""
+    return _e2m1(v, uniform)
+
+
+def quantize(
+    a: jax.Array, *, tiles: bool = False, uniform: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`a` (2-D) in NVFP4 along its last axis: `(values, block scales, tensor scale)`.
+
+    The tensor scale (float32) maps `a`'s amax to 6 x 448; each block of 16 values along the
+    last axis (a 16x16 tile with `tiles`) gets the scale that maps its amax to 6, times the
+    tensor scale, rounded to float8_e4m3fn; values are `a * tensor scale / block scale`,
+    rounded to nearest float4_e2m1fn (stochastically with `uniform`, draws in [0, 1) shaped
+    like `a`). `a` is `values * block scales / tensor scale`, the block scales repeated over
+    their 16 values: scales shaped `(rows, cols // 16)`, a tile's repeated over its rows."""
+    rows, cols = a.shape
+    x = a.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    encode = jnp.where(amax > 0, (E2M1_MAX * E4M3_MAX) / amax, 1.0).astype(jnp.float32)
+    if tiles:
+        tiled = jnp.abs(x).reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+        block_amax = jnp.repeat(jnp.max(tiled, axis=(1, 3)), BLOCK, axis=0)
+    else:
+        block_amax = jnp.max(jnp.abs(x).reshape(rows, cols // BLOCK, BLOCK), axis=-1)
+    scale = jnp.minimum(block_amax / E2M1_MAX * encode, E4M3_MAX).astype(_E4M3)
+    # The barrier keeps XLA from folding the round trip through e4m3 away.
+    decode = lax.optimization_barrier(scale).astype(jnp.float32)
+    per_value = jnp.repeat(decode, BLOCK, axis=-1)
+    scaled = jnp.where(per_value == 0, 0.0, x * encode / per_value)
+    scaled = jnp.clip(scaled, -E2M1_MAX, E2M1_MAX)
+    values = _e2m1(scaled, uniform)
+    return values, scale, encode
+
+
+def dequantize(values: jax.Array, scale: jax.Array, encode: jax.Array) -> jax.Array:
+    """`quantize`'s values times their block scales over the tensor scale, in float32."""
+    per_value = jnp.repeat(scale.astype(jnp.float32), BLOCK, axis=-1)
+    return values.astype(jnp.float32) * per_value / encode
+
+
+def _gemm(lhs: tuple, rhs: tuple, use_jax: bool) -> jax.Array:
+    """`lhs @ rhs.T` of two `quantize`d operands `(values, scales, tensor scale)`, both
+    quantized along the axis it contracts (their last), in float32."""
+    (lv, ls, le), (rv, rs, re) = lhs, rhs
+    if use_jax:
+        out = jax.nn.scaled_matmul(lv[None], rv[None], ls[None], rs[None], jnp.float32)[0]
+    else:
+        # Each value times its block's scale: exact in bfloat16 (float32 on CPU, which XLA:CPU
+        # does not always multiply as bfloat16 x bfloat16 -> float32; the same values).
+        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        lhs_blocks = lv.astype(jnp.float32) * jnp.repeat(ls.astype(jnp.float32), BLOCK, -1)
+        rhs_blocks = rv.astype(jnp.float32) * jnp.repeat(rs.astype(jnp.float32), BLOCK, -1)
+        out = lax.dot_general(
+            lhs_blocks.astype(dtype),
+            rhs_blocks.astype(dtype),
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+    # The two tensor scales undone by one multiplication (XLA turns a division by a scalar into
+    # one anyway; written so, every backend computes the same float32).
+    return out * (1.0 / (le * re))
+
+
+def _uniform(key: jax.Array, shape: tuple[int, ...], on: bool) -> jax.Array | None:
+    return jax.random.uniform(key, shape, jnp.float32) if on else None
+
+
+def _keys(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The draws of one step: the Hadamard signs, and the two gradients' rounding."""
+    signs, data, weight = jax.random.split(key, 3)
+    return signs, data, weight
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _matmul(x2, w, key, recipe, use_jax):
+    del key  # the forward pass rounds to nearest
+    return _gemm(quantize(x2), quantize(w.T, tiles=recipe.weight_tiles), use_jax)
+
+
+def _matmul_fwd(x2, w, key, recipe, use_jax):
+    return _matmul(x2, w, key, recipe, use_jax), (x2, w, key)
+
+
+def _matmul_bwd(recipe, use_jax, residuals, g):
+    x2, w, key = residuals
+    g = g.astype(jnp.float32)
+    if not recipe.gradients:  # straight through, in float32
+        dx = g @ w.astype(jnp.float32).T
+        dw = x2.astype(jnp.float32).T @ g
+        return dx.astype(x2.dtype), dw.astype(w.dtype), None
+    sign_key, data_key, weight_key = _keys(key)
+    sr = recipe.stochastic_rounding
+    # Data gradient, contracting M: g along M; w's tiles are its forward quantization.
+    weight = quantize(w, tiles=recipe.weight_tiles)
+    dx = _gemm(quantize(g, uniform=_uniform(data_key, g.shape, sr)), weight, use_jax)
+    # Weight gradient, contracting the tokens: both along them, transformed first.
+    xt, gt = x2.astype(jnp.float32).T, g.T
+    if recipe.hadamard:
+        signs = random_signs(sign_key)
+        xt, gt = hadamard_rows(xt.T, signs).T, hadamard_rows(gt.T, signs).T
+    dw = _gemm(quantize(xt), quantize(gt, uniform=_uniform(weight_key, gt.shape, sr)), use_jax)
+    return dx.astype(x2.dtype), dw.astype(w.dtype), None
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def nvfp4_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    key: jax.Array,
+    *,
+    recipe: Recipe = Recipe(),
+    preferred_element_type: DTypeLike = jnp.float32,
+    implementation: str | None = None,
+) -> jax.Array:
+    """`x @ w` with its forward, data-gradient and weight-gradient GEMMs in NVFP4 (`Recipe`).
+
+    Args:
+      x: the activations, `(..., K)`; the tokens (all leading axes) a multiple of 16 where the
+        weight gradient is quantized (they are what it contracts).
+      w: the weight, `(K, M)`, K and M multiples of 16.
+      key: a `jax.random` key: the Hadamard signs and the stochastic rounding of this call
+        (split per step, e.g. `jax.random.fold_in(key, step)`; carry it as state).
+      recipe: which parts run (`Recipe`; `FORWARD_ONLY` for the forward GEMM alone).
+      preferred_element_type: the output dtype.
+      implementation: None: JAX's `scaled_matmul` where a GPU multiplies NVFP4 in hardware,
+        the emulation elsewhere; "jax" or "emulated" to choose.
+
+    Returns:
+      `(..., M)` in `preferred_element_type`; gradients in `x`'s and `w`'s dtypes, none for
+      `key`.
+
+    Raises:
+      TypeError: `recipe` is not a `Recipe`.
+      ValueError: a shape the blocks do not divide, or an unknown `implementation`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jmp_policy.nvfp4 import nvfp4_matmul
+      >>> x = jax.random.normal(jax.random.key(0), (32, 64))
+      >>> w = jax.random.normal(jax.random.key(1), (64, 16))
+      >>> out = nvfp4_matmul(x, w, jax.random.key(2))
+      >>> error = jnp.linalg.norm(out - x @ w) / jnp.linalg.norm(x @ w)
+      >>> 0 < float(error) < 0.2
+      True
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"Expected a jmp_policy.nvfp4.Recipe for `recipe`, got {type(recipe).__name__}."
+        )
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"Expected one of {IMPLEMENTATIONS} for `implementation`, got {implementation!r}."
+        )
+    if np.ndim(w) != 2 or np.ndim(x) < 1 or np.shape(x)[-1] != np.shape(w)[0]:
+        raise ValueError(
+            f"Expected `x` of shape (..., K) and `w` of shape (K, M), got {np.shape(x)} and "
+            f"{np.shape(w)}."
+        )
+    tokens = int(np.prod(np.shape(x)[:-1]))
+    sizes = {"K (`w.shape[0]`)": w.shape[0], "M (`w.shape[1]`)": w.shape[1]}
+    if recipe.gradients:
+        sizes["the tokens of `x` (its leading axes)"] = tokens
+    for name, size in sizes.items():
+        if size == 0 or size % BLOCK:
+            raise ValueError(f"NVFP4 needs {name} to be a multiple of {BLOCK}, got {size}.")
+    use_jax = implementation == "jax" or (implementation is None and hardware_path())
+    out: jax.Array = _matmul(x.reshape(tokens, x.shape[-1]), w, key, recipe, use_jax)
+    return out.reshape(*x.shape[:-1], w.shape[1]).astype(preferred_element_type)
+
+
+__all__ = [
+    "BLOCK",
+    "FORWARD_ONLY",
+    "Recipe",
+    "dequantize",
+    "e2m1_stochastic_round",
+    "hadamard_matrix",
+    "hadamard_rows",
+    "nvfp4_matmul",
+    "quantize",
+    "random_signs",
+]
