@@ -96,10 +96,57 @@ def _runnable(matmul: Callable[..., Any], operands: list, out_dtype: np.dtype | 
     return lax.platform_dependent(*operands, cpu=widened, default=matmul)
 
 
-def mixed(op: Callable, compute: np.dtype, accumulate: np.dtype | None, lhs: Any, rhs: Any):
+def _free_axes(ndim: int, *taken: Any) -> tuple[int, ...]:
+    used = {d for t in taken for d in t}
+    return tuple(d for d in range(ndim) if d not in used)
+
+
+def gradient_matmul(
+    dimension_numbers: Any, ndims: tuple[int, int], side: int
+) -> tuple[Any, tuple[int, ...]]:
+    """The matmul that gives operand `side`'s gradient (0: lhs, 1: rhs) of a `dot_general`, as
+    JAX's transpose rule makes it: the dimension numbers of `cotangent x other operand`, and
+    the permutation that puts its result in that operand's layout."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    (xc, yc, xb, yb), (x_ndim, y_ndim) = ((lc, rc, lb, rb), ndims)
+    if side == 1:
+        (xc, yc, xb, yb), (x_ndim, y_ndim) = ((rc, lc, rb, lb), ndims[::-1])
+    x_free, y_free = _free_axes(x_ndim, xc, xb), _free_axes(y_ndim, yc, yb)
+    nb = len(xb)
+    # The cotangent's axes: batch, then lhs's free axes, then rhs's.
+    start = nb + len(x_free) if side == 0 else nb
+    g_contract = tuple(range(start, start + len(y_free)))
+    dims = ((g_contract, tuple(y_free)), (tuple(range(nb)), tuple(yb)))
+    # The result: batch, x's free axes, then x's contracted axes in the order of y's.
+    x_contract_by_y = [xc[i] for i in np.argsort(yc)]
+    permutation = tuple(int(i) for i in np.argsort([*xb, *x_free, *x_contract_by_y]))
+    return dims, permutation
+
+
+def dot_of(primitive: Any, params: dict) -> dict | None:
+    """`mixed`'s `dot` for an equation of `primitive` with `params`: a `dot_general`'s
+    dimension numbers and precision (None for a conv, or a dot with an explicit output
+    sharding, whose backward matmuls JAX's transpose rule writes)."""
+    if primitive is not _jaxpr.DOT_GENERAL or params.get("out_sharding") is not None:
+        return None
+    return {"dimension_numbers": params["dimension_numbers"], "precision": params.get("precision")}
+
+
+def mixed(
+    op: Callable,
+    compute: np.dtype,
+    accumulate: np.dtype | None,
+    lhs: Any,
+    rhs: Any,
+    dot: dict | None = None,
+):
     """`op(lhs, rhs, preferred_element_type)` on the operands cast to `compute`, with each
     operand's gradient made by its backward matmul in that operand's own dtype (a float32
-    weight's in float32; a half-precision activation's in half precision)."""
+    weight's in float32; a half-precision activation's in half precision).
+
+    `dot`: where `op` is `lax.dot_general`, its `dimension_numbers` and `precision`: the
+    backward matmuls are written from them (`gradient_matmul`), as JAX's transpose rule
+    writes them, not traced through `jax.linear_transpose` (two traces per operand)."""
 
     @jax.custom_vjp
     def in_compute(lhs, rhs):
@@ -122,16 +169,30 @@ def mixed(op: Callable, compute: np.dtype, accumulate: np.dtype | None, lhs: Any
             if not _floating(operand):
                 grads.append(np.zeros(operand.shape, jax.dtypes.float0))
                 continue
-
-            def one_side(x, i=i):
-                return op(x, rhs_c, None) if i == 0 else op(lhs_c, x, None)
-
-            # JAX's own transpose rule for this operand, traced, then evaluated with
-            # its matmul accumulating into the operand's dtype.
-            transpose = jax.linear_transpose(one_side, (lhs_c, rhs_c)[i])
             wide = jnp.finfo(operand.dtype).bits > jnp.finfo(compute).bits
             wider = operand.dtype if wide else None
-            (grad,) = _eval_with_output(jax.make_jaxpr(transpose)(g_c), wider, g_c)
+            if dot is not None:
+                dims, permutation = gradient_matmul(
+                    dot["dimension_numbers"], (np.ndim(lhs), np.ndim(rhs)), i
+                )
+                other = rhs_c if i == 0 else lhs_c
+
+                def matmul(g, other, dims=dims, wider=wider):
+                    return lax.dot_general(
+                        g, other, dims, dot.get("precision"), preferred_element_type=wider
+                    )
+
+                product = _runnable(matmul, [g_c, other], wider)
+                grad = lax.transpose(product, permutation)
+            else:
+
+                def one_side(x, i=i):
+                    return op(x, rhs_c, None) if i == 0 else op(lhs_c, x, None)
+
+                # JAX's own transpose rule for this operand, traced, then evaluated with
+                # its matmul accumulating into the operand's dtype.
+                transpose = jax.linear_transpose(one_side, (lhs_c, rhs_c)[i])
+                (grad,) = _eval_with_output(jax.make_jaxpr(transpose)(g_c), wider, g_c)
             grads.append(_cast(grad, operand.dtype))
         return tuple(grads)
 
@@ -164,7 +225,9 @@ class MixedDotGeneral(_Mixed):
             )
 
         accumulate = self._accumulate(preferred_element_type)
-        return mixed(op, self.compute_dtype, accumulate, lhs, rhs)
+        dot = dot_of(_jaxpr.DOT_GENERAL, {**kw, "dimension_numbers": dimension_numbers,
+                                           "precision": precision})  # fmt: skip
+        return mixed(op, self.compute_dtype, accumulate, lhs, rhs, dot)
 
 
 class MixedConvGeneralDilated(_Mixed):

@@ -171,7 +171,7 @@ def test_no_widen_op_narrow_pair_in_a_block():
     # A bias add runs in half precision: no value is widened, added to and narrowed back.
     block = GPT(dim=64, length=32, layers=1)
     jaxpr = jax.make_jaxpr(jmp.autocast(lambda p: block.apply({"params": p}, TOKENS)))(PARAMS)
-    program = jaxpr.eqns[0].params["jaxpr"].jaxpr
+    program = jaxpr.jaxpr  # the region runs inline in the caller's trace
     if program.eqns[0].primitive is remat_p:  # the region's own jax.checkpoint
         program = program.eqns[0].params["jaxpr"]
     widened = {

@@ -37,7 +37,7 @@ from jmp_policy.fp8 import (
     fp8_eligible,
     fp8_excluded_by,
 )
-from jmp_policy.matmul import mixed
+from jmp_policy.matmul import dot_of, mixed
 
 ALLOW = _rules.names_running_in(_rules.COMPUTE)
 """Primitives that run in the compute dtype (torch.amp's "lower precision" list): the matmuls
@@ -280,7 +280,8 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
             )
 
         with _source_context(eqn):
-            return [mixed(op, rules.compute, rules.accumulate, lhs, rhs)]
+            dot = dot_of(eqn.primitive, eqn.params)
+            return [mixed(op, rules.compute, rules.accumulate, lhs, rhs, dot)]
     if name in rules.allow:
         target = rules.compute
         invals = [ev.operand(x, target) for x in invals]

@@ -47,7 +47,7 @@ from jmp_policy._autocast.ops import (
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import rules as _rules
 from jmp_policy._reports.census import PrecisionWarning
-from jmp_policy.matmul import mixed
+from jmp_policy.matmul import dot_of, mixed
 
 
 def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ev: _Evaluation) -> list:
@@ -219,7 +219,8 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
                 )
 
             with _source_context(eqn):
-                out = mixed(op, compute, preferred if wider else None, lhs, rhs)
+                dot = dot_of(eqn.primitive, params)
+                out = mixed(op, compute, preferred if wider else None, lhs, rhs, dot)
             return [_cast(out, eqn.outvars[0].aval.dtype)]
     half = _half_among(invals)
     if rule is not None and rule.runs_in == _rules.FLOAT32 and (half is not None or held):
