@@ -42,6 +42,9 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from jmp_policy.matmul import _free_axes as _free
+from jmp_policy.matmul import gradient_matmul
+
 MODES = ("mxfp8", "nvfp4")
 IMPLEMENTATIONS = (None, "jax", "emulated")
 
@@ -149,11 +152,6 @@ def eligible(x_shape: tuple[int, ...], axes: tuple[int, ...], mode: str) -> bool
     return k > 0 and k % _config(mode).block_size == 0
 
 
-def _free(ndim: int, *taken: tuple[int, ...]) -> tuple[int, ...]:
-    used = {d for t in taken for d in t}
-    return tuple(d for d in range(ndim) if d not in used)
-
-
 @functools.cache
 def hardware_path() -> bool:
     """Whether this process's default device multiplies block-scaled formats in its tensor
@@ -240,28 +238,6 @@ def _jax_op(dimension_numbers: Any, mode: str) -> Callable[[jax.Array, jax.Array
     return op
 
 
-def _gradient_matmul(
-    dimension_numbers: Any, ndims: tuple[int, int], side: int
-) -> tuple[Any, tuple[int, ...]]:
-    """The matmul that gives operand `side`'s gradient (0: lhs, 1: rhs), as JAX's transpose
-    of `dot_general` makes it: the dimension numbers of `cotangent x other operand`, and the
-    permutation that puts its result in that operand's layout."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    (xc, yc, xb, yb), (x_ndim, y_ndim) = ((lc, rc, lb, rb), ndims)
-    if side == 1:
-        (xc, yc, xb, yb), (x_ndim, y_ndim) = ((rc, lc, rb, lb), ndims[::-1])
-    x_free, y_free = _free(x_ndim, xc, xb), _free(y_ndim, yc, yb)
-    nb = len(xb)
-    # The cotangent's axes: batch, then lhs's free axes, then rhs's.
-    start = nb + len(x_free) if side == 0 else nb
-    g_contract = tuple(range(start, start + len(y_free)))
-    dims = ((g_contract, y_free), (tuple(range(nb)), tuple(yb)))
-    # The result: batch, x's free axes, then x's contracted axes in the order of y's.
-    x_contract_by_y = [xc[i] for i in np.argsort(yc)]
-    permutation = tuple(int(i) for i in np.argsort([*xb, *x_free, *x_contract_by_y]))
-    return dims, permutation
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _block_scaled(lhs, rhs, dimension_numbers, mode, out_dtype, use_jax):
     return _forward(lhs, rhs, dimension_numbers, mode, use_jax).astype(out_dtype)
@@ -277,7 +253,7 @@ def _block_scaled_bwd(dimension_numbers, mode, out_dtype, use_jax, residuals, g)
     g = g.astype(jnp.float32)
     grads = []
     for side, other in enumerate((rhs, lhs)):
-        dims, permutation = _gradient_matmul(dimension_numbers, (lhs.ndim, rhs.ndim), side)
+        dims, permutation = gradient_matmul(dimension_numbers, (lhs.ndim, rhs.ndim), side)
         # MXFP8: a block-scaled GEMM too, the cotangent and the other operand quantized along
         # the axes it contracts (the `grads` config). Where those do not hold whole blocks (a
         # matmul under `vmap`, whose batch is summed outside it) it runs in float32, where

@@ -101,6 +101,16 @@ def _free_axes(ndim: int, *taken: Any) -> tuple[int, ...]:
     return tuple(d for d in range(ndim) if d not in used)
 
 
+def _typed_layout(x: Any) -> bool:
+    """Whether `x`'s type carries a layout across devices: the mesh axes it varies over inside
+    `shard_map`, or an explicit sharding. JAX's transpose rule then adds what the gradient
+    needs (the sum over the axes a replicated weight's gradient varies over; the output's
+    sharding), so `mixed` takes JAX's rule there."""
+    aval = jax.typeof(x)
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return bool(getattr(aval, "vma", None)) or not getattr(mesh, "empty", True)
+
+
 def gradient_matmul(
     dimension_numbers: Any, ndims: tuple[int, int], side: int
 ) -> tuple[Any, tuple[int, ...]]:
@@ -146,7 +156,8 @@ def mixed(
 
     `dot`: where `op` is `lax.dot_general`, its `dimension_numbers` and `precision`: the
     backward matmuls are written from them (`gradient_matmul`), as JAX's transpose rule
-    writes them, not traced through `jax.linear_transpose` (two traces per operand)."""
+    writes them, not traced through `jax.linear_transpose` (two traces per operand), unless
+    an operand's type carries a layout across devices (`_typed_layout`)."""
 
     @jax.custom_vjp
     def in_compute(lhs, rhs):
@@ -171,16 +182,16 @@ def mixed(
                 continue
             wide = jnp.finfo(operand.dtype).bits > jnp.finfo(compute).bits
             wider = operand.dtype if wide else None
-            if dot is not None:
+            if dot is not None and not any(map(_typed_layout, (lhs, rhs, g))):
                 dims, permutation = gradient_matmul(
                     dot["dimension_numbers"], (np.ndim(lhs), np.ndim(rhs)), i
                 )
                 other = rhs_c if i == 0 else lhs_c
 
-                def matmul(g, other, dims=dims, wider=wider):
-                    return lax.dot_general(
-                        g, other, dims, dot.get("precision"), preferred_element_type=wider
-                    )
+                precision = dot.get("precision")
+
+                def matmul(g, other, dims=dims, wider=wider, precision=precision):
+                    return lax.dot_general(g, other, dims, precision, preferred_element_type=wider)
 
                 product = _runnable(matmul, [g_c, other], wider)
                 grad = lax.transpose(product, permutation)

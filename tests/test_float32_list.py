@@ -14,6 +14,7 @@ from flax import nnx
 
 import jmp_policy as jmp
 from jmp_policy._reports.census import compute_dtype, iter_equations, report_of_jaxpr
+from jmp_policy.autocast import cast_at_use
 
 eqx = pytest.importorskip("equinox")
 
@@ -112,3 +113,28 @@ def test_a_float32_list_result_cast_to_integers_is_integers():
     got = jax.jit(cast_at_use(f))(w, x, table)
     np.testing.assert_array_equal(got, f(w, x, table))
     assert got.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("route", ["autocast", "cast_at_use"])
+def test_a_maximums_derivative_sums_its_ties_in_float32(route):
+    """`jnp.max` of half-precision values in a loss: JAX's derivative sums the tangents of the
+    entries that tie for the maximum, and counts them, in the operand's dtype; here in float32,
+    the gradient split over the ties as float32's is."""
+    w = jnp.tile(jnp.linspace(-1.0, 1.0, 8)[:, None], (1, 4))  # 4 equal columns: ties
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+
+    def loss(w, x):
+        h = x.astype(jnp.float16) @ w.astype(jnp.float16)
+        return jnp.sum(jnp.max(h, axis=-1).astype(jnp.float32))
+
+    run = jmp.autocast(loss) if route == "autocast" else cast_at_use(loss)
+    program = jax.make_jaxpr(jax.grad(run))(w, x)
+    sums = [
+        np.dtype(compute_dtype(e)).name
+        for e in iter_equations(program)
+        if e.primitive.name == "reduce_sum"
+    ]
+    assert sums and set(sums) == {"float32"}, sums
+    got = jax.grad(run)(w, x)
+    want = jax.grad(lambda w, x: jnp.sum(jnp.max(x @ w, axis=-1)))(w, x)  # float32, same ties
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from jmp_policy._autocast.evaluation import (
     _FLOAT32,
@@ -288,7 +289,7 @@ def _inline_when_traced(region, keep_name: bool):
 
     @functools.wraps(region)
     def run(*flat):
-        traced = any(isinstance(x, jax.core.Tracer) for x in flat)
+        traced = any(isinstance(x, Tracer) for x in flat)
         if traced and not keep_name and not _BUILDING.depth:
             return region(*flat)
         return compiled(*flat)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jmp_policy._autocast.activations import (
     ACTIVATION,
@@ -198,8 +199,11 @@ def _repeats(eqn: Any, invals: list) -> bool:
 
 def _adding_in_float32(eqn: Any, invals: list) -> list:
     """`_sums_in_transpose`'s equation with its backward pass's sum made in float32: a
-    repeating broadcast as it is, its transpose (a sum) on the cotangent cast to float32; any
+    repeating broadcast as it is, its transpose (a sum) on the cotangent cast to float32; a
+    maximum or minimum as it is, its derivative in float32 (`_choosing_in_float32`); any
     other (`_gathering_in_float32`) on operands cast to float32."""
+    if eqn.primitive in _jaxpr.CHOOSERS:
+        return _choosing_in_float32(eqn, invals)
     if not _repeats(eqn, invals):
         return _gathering_in_float32(eqn, invals)
     (x,) = invals
@@ -217,6 +221,28 @@ def _adding_in_float32(eqn: Any, invals: list) -> list:
 
     repeated.defvjp(lambda x: (repeated(x), None), backward)
     return [repeated(x)]
+
+
+def _choosing_in_float32(eqn: Any, invals: list) -> list:
+    """A `reduce_max`/`reduce_min` as it is, with JAX's derivative made in float32: the
+    tangents of the entries that tie for the maximum summed, over their count (JAX's rule
+    sums both in the operand's dtype)."""
+    (x,) = invals
+    axes = tuple(eqn.params["axes"])
+
+    @jax.custom_jvp
+    def chosen(x):
+        return _bind(eqn, [x])[0]
+
+    @chosen.defjvp
+    def _(primals, tangents):
+        (x,), (t,) = primals, tangents
+        out = chosen(x)
+        ties = lax.convert_element_type(x == lax.expand_dims(out, axes), _FLOAT32)
+        tangent = jnp.sum(_cast(t, _FLOAT32) * ties, axes) / jnp.sum(ties, axes)
+        return out, _cast(tangent, t.dtype)
+
+    return [chosen(x)]
 
 
 def _gathering_in_float32(eqn: Any, invals: list) -> list:

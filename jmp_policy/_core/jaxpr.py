@@ -74,6 +74,8 @@ import (tests/test_jaxpr.py checks the name)."""
 
 CONVERT = _primitives.convert_element_type_p
 BROADCAST_IN_DIM = _primitives.broadcast_in_dim_p
+CHOOSERS = frozenset({_primitives.reduce_max_p, _primitives.reduce_min_p})
+"""`reduce_max`, `reduce_min`: their derivative sums the tangents of the entries that tie."""
 BITCAST = _primitives.bitcast_convert_type_p
 REMAT = _primitives.remat_p
 SCAN = _primitives.scan_p

@@ -52,7 +52,8 @@ class Rule:
     with it.
     `adds_in_transpose`: its backward pass adds many cotangents into one value (a gather's
     transpose is a scatter-add: every edge a graph's hub sends adds into the hub; `top_k`'s
-    derivative is such a gather), so that sum is made in float32.
+    derivative is such a gather; `reduce_max`'s sums the tangents of the entries that tie and
+    counts them), so that sum is made in float32.
     `kept`: its outputs are worth keeping for the backward pass rather than computing again
     (matmuls, decompositions, sorts, collectives); what is not kept, autocast recomputes
     from what is (`kept_for_backward`).
@@ -121,7 +122,7 @@ _TABLE_BY_NAME: dict[str, Rule] = {
     ),
     "scatter-mul": Rule(OPERANDS, reduction=True),
     **dict.fromkeys(
-        "reduce_max reduce_min argmax argmin reduce_and reduce_or reduce_xor reduce_window_max "
+        "argmax argmin reduce_and reduce_or reduce_xor reduce_window_max "
         "reduce_window_min cummax cummin scatter-max scatter-min select_and_scatter iota "
         "random_bits random_fold_in random_gamma random_seed random_split random_wrap "
         "random_unwrap threefry2x32 rng_bit_generator rng_uniform sharding_constraint "
@@ -135,6 +136,9 @@ _TABLE_BY_NAME: dict[str, Rule] = {
         "reduce_scatter".split(),
         Rule(OPERANDS, kept=True),
     ),
+    # A maximum or minimum: its derivative sums the tangents of the entries that tie for it
+    # and counts them (JAX's rule, in the operand's dtype).
+    **dict.fromkeys("reduce_max reduce_min".split(), Rule(OPERANDS, adds_in_transpose=True)),
     # a selection: its derivative gathers the chosen entries, its transpose scatter-adds them
     **dict.fromkeys(
         "top_k approx_top_k".split(), Rule(OPERANDS, kept=True, adds_in_transpose=True)
