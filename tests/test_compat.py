@@ -78,3 +78,33 @@ def test_flax_promote_dtype_of_both_apis_is_where_the_integrations_read_it():
     # The defaults Flax's layers hold: what `nnx.mixed_precision` puts back.
     assert nnx.Linear(2, 2, rngs=nnx.Rngs(0)).promote_dtype is nnx_promote_dtype()
     assert nn.Dense.promote_dtype is linen_promote_dtype()
+
+
+def test_is_staged_sees_a_program_under_grad_and_vmap_and_not_an_eager_transform():
+    from jmp_policy._core.compat import is_staged
+
+    seen = {}
+
+    def f(name):
+        def inner(x):
+            seen[name] = is_staged(x)
+            return x * 2.0
+
+        return inner
+
+    x, xs = jnp.float32(1.0), jnp.ones(2)
+    jax.grad(f("eager grad"))(x)
+    jax.vmap(f("eager vmap"))(xs)
+    jax.jit(f("jit"))(x)
+    jax.jit(jax.grad(f("grad in jit")))(x)
+    jax.jit(jax.vmap(jax.grad(f("grad in vmap in jit"))))(xs)
+    jax.lax.scan(lambda c, v: (f("scan body")(c), None), x, None, length=2)
+    assert seen == {
+        "eager grad": False,
+        "eager vmap": False,
+        "jit": True,
+        "grad in jit": True,
+        "grad in vmap in jit": True,
+        "scan body": True,
+    }
+    assert not is_staged(x)

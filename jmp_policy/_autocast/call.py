@@ -1,8 +1,9 @@
 """The function `autocast`, `cast_at_use` and `full_precision` return: one program traced
 per input signature (`_program`), evaluated by the rules in a region (`_build`: a
-`jax.checkpoint` that keeps only what `_autocast_evaluation.RESIDUAL` names, under `jit`),
-NNX modules' states written back, and float8 delayed scaling's states taken in
-(`fp8_state=`, `init_fp8_state`)."""
+`jax.checkpoint` that keeps only what `_autocast_evaluation.RESIDUAL` names; inline in the
+caller's trace, compiled with `jit` when called eagerly: `_inline_when_traced`), NNX modules'
+states written back, and float8 delayed scaling's states taken in (`fp8_state=`,
+`init_fp8_state`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 
 from jmp_policy._autocast.evaluation import (
     _FLOAT32,
@@ -27,6 +27,7 @@ from jmp_policy._autocast.programs import _eval_closed
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import naming as _naming
 from jmp_policy._core import rules as _rules
+from jmp_policy._core.compat import is_staged
 from jmp_policy._core.overrides import FULL_PRECISION_REGION
 from jmp_policy._core.pytree import (
     ByEquality,
@@ -277,9 +278,11 @@ _BUILDING = _Building()
 
 
 def _inline_when_traced(region, keep_name: bool):
-    """`region` run inline where its inputs are traced (inside the caller's `jit`, `grad`,
-    `vmap`, `scan`: its equations join the caller's program), and compiled (`jax.jit`) where
-    they are not (an eager call), or where its name must stand in the program (`keep_name`:
+    """`region` run inline where its inputs are staged into a program (inside the caller's
+    `jit` or `scan`, under any `grad` or `vmap`: its equations join the caller's program), and
+    compiled (`jax.jit`) where they are not (an eager call, an eager `jax.grad`, whose
+    operations would otherwise run one by one), or where its name must stand in the program
+    (`keep_name`:
     a `full_precision` region, which reports and the debugger find by it; any region traced
     inside another autocast program). A `jit` nested in the caller's trace costs a second
     linearization: `jax.grad` of a program holding one linearizes its body again to transpose
@@ -289,8 +292,7 @@ def _inline_when_traced(region, keep_name: bool):
 
     @functools.wraps(region)
     def run(*flat):
-        traced = any(isinstance(x, Tracer) for x in flat)
-        if traced and not keep_name and not _BUILDING.depth:
+        if any(map(is_staged, flat)) and not keep_name and not _BUILDING.depth:
             return region(*flat)
         return compiled(*flat)
 

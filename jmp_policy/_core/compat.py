@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+from jax.core import Tracer
 from jax.extend import core as _core
 
 
@@ -89,6 +90,20 @@ try:
     from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _StagedTracer
 except ImportError:  # pragma: no cover (a release that moved it: the misuse check sees nothing)
     _StagedTracer = None
+
+
+def is_staged(x: Any) -> bool:
+    """Whether `x` is being staged into a program (`jit`, `make_jaxpr`, a `scan` body), under
+    any `grad` or `vmap` on top; False for a concrete value and an eager transform's tracer
+    (`jax.grad` or `jax.vmap` called outside `jit`)."""
+    if _StagedTracer is None:  # pragma: no cover (a release that moved it: staged if traced)
+        return isinstance(x, Tracer)
+    while not isinstance(x, _StagedTracer):
+        inner = getattr(x, "primal", getattr(x, "val", None))  # JVP/linearize, vmap tracers
+        if inner is None or inner is x or not isinstance(x, Tracer):
+            return False
+        x = inner
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
