@@ -23,6 +23,7 @@ from jmp_policy._autocast.evaluation import (
     _cast,
     _Evaluation,
 )
+from jmp_policy._autocast.ops import _CAST_AT_USE
 from jmp_policy._autocast.programs import _eval_closed
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import naming as _naming
@@ -207,8 +208,11 @@ class _Autocast:
             # Equinox example 40.8 -> 48.0 MiB, the GPT loop 41.5 -> 48.7 MiB on XLA:CPU).
             policy = REGION_POLICY_KEEPING_TRANSCENDENTALS if transcendentals else REGION_POLICY
             region = jax.checkpoint(region, policy=policy)
-        keep_name = self._region_name == FULL_PRECISION_REGION
-        return _inline_when_traced(region, keep_name), out_tree, closed
+        # A `full_precision` region is found by its name; a `cast_at_use` region (the Linen
+        # and NNX policies) compiles slower inline on XLA:CPU (the Linen GPT's bfloat16
+        # gradient step: 57 ms against 43-47 ms as a nested jit, float16 the same).
+        keep_jit = self._region_name in (FULL_PRECISION_REGION, _CAST_AT_USE)
+        return _inline_when_traced(region, keep_jit), out_tree, closed
 
     def __call__(self, *args, **kwargs):
         state = None
@@ -277,22 +281,20 @@ class _Building(threading.local):
 _BUILDING = _Building()
 
 
-def _inline_when_traced(region, keep_name: bool):
+def _inline_when_traced(region, keep_jit: bool):
     """`region` run inline where its inputs are staged into a program (inside the caller's
     `jit` or `scan`, under any `grad` or `vmap`: its equations join the caller's program), and
     compiled (`jax.jit`) where they are not (an eager call, an eager `jax.grad`, whose
-    operations would otherwise run one by one), or where its name must stand in the program
-    (`keep_name`:
-    a `full_precision` region, which reports and the debugger find by it; any region traced
-    inside another autocast program). A `jit` nested in the caller's trace costs a second
-    linearization: `jax.grad` of a program holding one linearizes its body again to transpose
-    it (a 12-block GPT's first `value_and_grad` trace under the Linen policy: 2.1 s of 6.8 s
-    profiled, JAX 0.10)."""
+    operations would otherwise run one by one), or where it stays a `jit` of its own
+    (`keep_jit`), and in any region traced inside another autocast program, which leaves it
+    as it is by its name. A `jit` nested in the caller's trace costs a second linearization:
+    `jax.grad` of a program holding one linearizes its body again to transpose it (a 12-block
+    GPT's first `value_and_grad` trace: 2.1 s of 6.8 s profiled, JAX 0.10)."""
     compiled = jax.jit(region)
 
     @functools.wraps(region)
     def run(*flat):
-        if any(map(is_staged, flat)) and not keep_name and not _BUILDING.depth:
+        if any(map(is_staged, flat)) and not keep_jit and not _BUILDING.depth:
             return region(*flat)
         return compiled(*flat)
 
