@@ -1,9 +1,9 @@
 """The function `autocast`, `cast_at_use` and `full_precision` return: one program traced
 per input signature (`_program`), evaluated by the rules in a region (`_build`: a
-`jax.checkpoint` that keeps only what `_autocast_evaluation.RESIDUAL` names; inline in the
-caller's trace, compiled with `jit` when called eagerly: `_inline_when_traced`), NNX modules'
-states written back, and float8 delayed scaling's states taken in (`fp8_state=`,
-`init_fp8_state`)."""
+`jax.checkpoint` that keeps only what `_autocast_evaluation.RESIDUAL` names; autocast's
+inline where the caller stages it, the others and eager calls under `jit`:
+`_inline_when_traced`), NNX modules' states written back, and float8 delayed scaling's states
+taken in (`fp8_state=`, `init_fp8_state`)."""
 
 from __future__ import annotations
 

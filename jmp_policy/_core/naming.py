@@ -56,7 +56,7 @@ def _bases() -> list[type]:
     return bases
 
 
-def _users_call(code: Any, module_name: str) -> bool:
+def _users_call(code: Any, module_name: str, module: Any) -> bool:
     """Whether a `__call__`'s code is a user's module's: not this library's own classes
     (`nnx.mixed_precision`'s scoped subclasses, which open their own scopes;
     `jmp_policy.eqx.MixedPrecision`, a wrapper), not the libraries' private wrappers
@@ -64,7 +64,11 @@ def _users_call(code: Any, module_name: str) -> bool:
     machinery (a bound method is a module; its layers are `equinox.nn`'s)."""
     if module_name.startswith("jmp_policy"):
         return False
-    owner = code.co_qualname.rsplit(".", 2)[-2] if "." in code.co_qualname else ""
+    qualname = getattr(code, "co_qualname", None)  # Python 3.11+; 3.10: the module's class
+    if qualname is None:
+        owner = type(module).__name__
+    else:
+        owner = qualname.rsplit(".", 2)[-2] if "." in qualname else ""
     if owner.startswith("_") and module_name.split(".")[0] in _LIBRARIES:
         return False
     return not (module_name.startswith("equinox.") and not module_name.startswith("equinox.nn"))
@@ -133,10 +137,10 @@ def _entering(frame: Any) -> None:
     """A `__call__` starts in this thread: if it is a module's, its call runs in the name
     scopes of its path (below the module calling it)."""
     code = frame.f_code
-    if not code.co_argcount or not _users_call(code, frame.f_globals.get("__name__", "")):
+    if not code.co_argcount:
         return
     module = frame.f_locals.get(code.co_varnames[0])
-    if not _is_module(module):
+    if not _is_module(module) or not _users_call(code, frame.f_globals.get("__name__", ""), module):
         return
     stack = _STATE.stack
     if stack and stack[-1].module is module:  # super().__call__: already in its scope
