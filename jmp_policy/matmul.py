@@ -186,9 +186,7 @@ def mixed(
                 dims, permutation = gradient_matmul(
                     dot["dimension_numbers"], (np.ndim(lhs), np.ndim(rhs)), i
                 )
-                other = rhs_c if i == 0 else lhs_c
-
-                precision = dot.get("precision")
+                other, precision = (rhs_c if i == 0 else lhs_c), dot.get("precision")
 
                 def matmul(g, other, dims=dims, wider=wider, precision=precision):
                     return lax.dot_general(g, other, dims, precision, preferred_element_type=wider)
