@@ -259,3 +259,19 @@ def test_rounding_to_nearest_is_ml_dtypes_on_every_value():
     )
     got = np.asarray(jax.jit(lambda v: nvfp4._e2m1(v, None).astype(jnp.float32))(values))
     np.testing.assert_array_equal(got, values.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
+
+
+def test_block_scales_round_to_e4m3_as_ml_dtypes_does():
+    """Every float32 in [0, 448] near e4m3's midpoints (normal and subnormal) and elsewhere: the
+    block scales' rounding equals ml_dtypes' conversion under this suite's XLA flags."""
+    grid = np.unique(
+        np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    )
+    grid = grid[np.isfinite(grid) & (grid >= 0)]
+    middles = (grid[1:] + grid[:-1]) / 2
+    below, above = np.nextafter(middles, -np.inf), np.nextafter(middles, np.inf)
+    values = np.concatenate(
+        [grid, below, middles, above, np.random.default_rng(1).uniform(0, 448, 100_000)]
+    ).astype(np.float32)
+    got = np.asarray(jax.jit(nvfp4._e4m3)(values))
+    np.testing.assert_array_equal(got, values.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
