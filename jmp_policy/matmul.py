@@ -176,17 +176,19 @@ def mixed(
         lhs, rhs = residuals
         lhs_c, rhs_c, g_c = _cast(lhs, compute), _cast(rhs, compute), _cast(g, compute)
         grads = []
+        # Written from the dimension numbers, unless a layout across devices asks for JAX's rule.
+        direct = dot if dot is not None and not any(map(_typed_layout, (lhs, rhs, g))) else None
         for i, operand in enumerate((lhs, rhs)):
             if not _floating(operand):
                 grads.append(np.zeros(operand.shape, jax.dtypes.float0))
                 continue
             wide = jnp.finfo(operand.dtype).bits > jnp.finfo(compute).bits
             wider = operand.dtype if wide else None
-            if dot is not None and not any(map(_typed_layout, (lhs, rhs, g))):
+            if direct is not None:
                 dims, permutation = gradient_matmul(
-                    dot["dimension_numbers"], (np.ndim(lhs), np.ndim(rhs)), i
+                    direct["dimension_numbers"], (np.ndim(lhs), np.ndim(rhs)), i
                 )
-                other, precision = (rhs_c if i == 0 else lhs_c), dot.get("precision")
+                other, precision = (rhs_c if i == 0 else lhs_c), direct.get("precision")
 
                 def matmul(g, other, dims=dims, wider=wider, precision=precision):
                     return lax.dot_general(g, other, dims, precision, preferred_element_type=wider)

@@ -170,10 +170,14 @@ def quantize(
     return values, scale, encode
 
 
+def _times_scales(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """`quantize`'s values times their block scales, in float32 (exact)."""
+    return values.astype(jnp.float32) * jnp.repeat(scale.astype(jnp.float32), BLOCK, axis=-1)
+
+
 def dequantize(values: jax.Array, scale: jax.Array, encode: jax.Array) -> jax.Array:
     """`quantize`'s values times their block scales over the tensor scale, in float32."""
-    per_value = jnp.repeat(scale.astype(jnp.float32), BLOCK, axis=-1)
-    return values.astype(jnp.float32) * per_value / encode
+    return _times_scales(values, scale) / encode
 
 
 def _gemm(lhs: tuple, rhs: tuple, use_jax: bool) -> jax.Array:
@@ -186,11 +190,9 @@ def _gemm(lhs: tuple, rhs: tuple, use_jax: bool) -> jax.Array:
         # Each value times its block's scale: exact in bfloat16 (float32 on CPU, which XLA:CPU
         # does not always multiply as bfloat16 x bfloat16 -> float32; the same values).
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-        lhs_blocks = lv.astype(jnp.float32) * jnp.repeat(ls.astype(jnp.float32), BLOCK, -1)
-        rhs_blocks = rv.astype(jnp.float32) * jnp.repeat(rs.astype(jnp.float32), BLOCK, -1)
         out = lax.dot_general(
-            lhs_blocks.astype(dtype),
-            rhs_blocks.astype(dtype),
+            _times_scales(lv, ls).astype(dtype),
+            _times_scales(rv, rs).astype(dtype),
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
