@@ -32,8 +32,8 @@ Beside it, each family in its module: `jmp_policy.linen`, `jmp_policy.nnx`, `jmp
 `jmp_policy.scaling` (the loss-scaling state and records, spike skipping,
 `check_loss_scaling`); `jmp_policy.casting` (autocast's op lists); `jmp_policy.reports` (the
 report records, `value_and_grad_with_stats`); `jmp_policy.low_precision`; `jmp_policy.fp8`,
-`jmp_policy.block_scaled`, `jmp_policy.nvfp4` (NVFP4's training recipe as one layer's matmul);
-`jmp_policy.matmul`; `jmp_policy.errors` (every warning and error).
+`jmp_policy.block_scaled`, `jmp_policy.nvfp4` (NVFP4's training recipe:
+`fp8_scaling=nvfp4.Recipe()`); `jmp_policy.matmul`; `jmp_policy.errors` (every warning and error).
 Names that were at the top level before are still found there for one release, with a
 `DeprecationWarning` naming their module.
 
@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 from jmp_policy import casting as casting  # the families' modules, beside the top level
 from jmp_policy import errors as errors
 from jmp_policy import matmul as matmul
+from jmp_policy import nvfp4 as nvfp4
 from jmp_policy import reports as reports
 from jmp_policy import scaling as scaling
 from jmp_policy._flax import serialization as _flax_serialization

@@ -25,10 +25,9 @@ import equinox as eqx
 
 from jmp_policy._core import naming as _naming
 from jmp_policy._core.overrides import Overrides
-from jmp_policy._fp8.state import checked_scaling
+from jmp_policy._fp8.state import checked_scaling, stateful
 from jmp_policy._loss_scaling.scaled_grad import value_and_scaled_grad
 from jmp_policy.autocast import autocast, full_precision
-from jmp_policy.fp8 import DelayedScaling
 from jmp_policy.policy import Policy, check_model_policy
 
 
@@ -53,11 +52,13 @@ class MixedPrecision(eqx.Module):
       model: the wrapped model, its floating arrays in the policy's `param_dtype`.
       policy: the policy (static).
       fp8_scaling: under a float8 policy, "tensorwise", "rowwise" or a
-        `jmp_policy.fp8.DelayedScaling` recipe (static).
+        `jmp_policy.fp8.DelayedScaling` recipe; under `"mixed_nvfp4"`, also a
+        `jmp_policy.nvfp4.Recipe` (NVIDIA's training recipe) (static).
       fp8_state: with a `DelayedScaling` recipe, the float8 matmuls' scales and amax
-        histories (`init_fp8_state`): floating arrays that `eqx.filter_grad`
-        differentiates, their gradient the next state, which a `loss_scaling`
-        optimizer writes (docs/fp8.md). None otherwise.
+        histories; with an `nvfp4.Recipe`, each linear layer's key (`init_fp8_state`):
+        floating arrays that `eqx.filter_grad` differentiates, their gradient read by a
+        `loss_scaling` optimizer, which writes the next state unless it skips the step
+        (docs/fp8.md). None otherwise.
     """
 
     model: Any
@@ -67,23 +68,26 @@ class MixedPrecision(eqx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run = _call_under(self.policy, self.fp8_scaling)
-        if not isinstance(self.fp8_scaling, DelayedScaling):
+        if stateful(self.fp8_scaling) is None:
             return run(self.model, *args, **kwargs)
         if self.fp8_state is None:
             raise ValueError(
-                "This mixed_float8 model scales with a DelayedScaling recipe and has no state "
-                "yet: `model = model.init_fp8_state(*example_args)` (the arguments of one call)."
+                f"This model's matmuls keep state ({type(self.fp8_scaling).__name__} recipe) "
+                "and it has none yet: `model = model.init_fp8_state(*example_args)` (the "
+                "arguments of one call)."
             )
         return run(self.model, *args, fp8_state=self.fp8_state, **kwargs)
 
     def init_fp8_state(self, *args: Any, **kwargs: Any) -> MixedPrecision:
-        """The model with a fresh delayed-scaling state for its float8 matmuls, made from the
-        arguments of one call (one example, for a model run under `jax.vmap`)."""
+        """The model with a fresh state for its float8 (delayed scaling) or NVFP4 (recipe)
+        matmuls, made from the arguments of one call (one example, for a model run under
+        `jax.vmap`)."""
         run = _call_under(self.policy, self.fp8_scaling)
-        if not isinstance(self.fp8_scaling, DelayedScaling):
+        if stateful(self.fp8_scaling) is None:
             raise ValueError(
                 "init_fp8_state is for a float8 policy with a DelayedScaling recipe "
-                "(`mixed_precision(model, 'mixed_float8', fp8_scaling=DelayedScaling())`)."
+                "(`mixed_precision(model, 'mixed_float8', fp8_scaling=DelayedScaling())`) or "
+                "'mixed_nvfp4' with `fp8_scaling=jmp_policy.nvfp4.Recipe()`."
             )
         state = run.init_fp8_state(self.model, *args, **kwargs)  # pyright: ignore
         return eqx.tree_at(lambda m: m.fp8_state, self, state, is_leaf=lambda x: x is None)

@@ -264,7 +264,7 @@ def mixed_precision(
     reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
     accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)
     recipe = layer_recipe(fp8_scaling, policy)
-    delayed = None if recipe is None else (lambda: NnxDelayedDot(recipe))
+    delayed = None if recipe is None else (lambda path: NnxDelayedDot(recipe, path))
     modules = {
         tuple(str(p) for p in path): node
         for path, node in nnx.iter_graph(model)

@@ -26,14 +26,19 @@ where a GEMM contracts one block). Stochastic rounding is keyed: one key gives t
 every machine (`jax.random`'s draws), and `e2m1_stochastic_round` takes the draws themselves for
 a reference.
 
-This is the recipe's matmul; the policy that puts it in every layer of a model is not built yet
-(issue 74).
+`linear_dot_general(lhs, rhs, dimension_numbers, state, recipe)` is the same for a layer's
+`dot_general` (Flax's Dense and DenseGeneral, an Equinox Linear), with the layer's `State`: the
+key of its draws, carried as model state like float8's delayed scaling. The state's gradient
+counts the matmul's uses, and a `loss_scaling` optimizer advances the key of each state used by
+a step it applies (`advanced`), none on a skipped step. `autocast(f, "mixed_nvfp4",
+fp8_scaling=Recipe())` and the Linen, NNX and Equinox policies put it on every linear layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +46,8 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
-from jmp_policy.block_scaled import IMPLEMENTATIONS, hardware_path
+from jmp_policy._core.pytree import register_state
+from jmp_policy.block_scaled import IMPLEMENTATIONS, SCOPE, hardware_path
 
 BLOCK = 16
 """Values per block scale, and the side of a weight's tile and of the Hadamard transform."""
@@ -62,18 +68,63 @@ class Recipe:
         to nearest.
       weight_tiles: the weight quantized in 16x16 tiles, one quantization for the forward and
         the data-gradient GEMMs; False: in blocks of 16 along the axis each GEMM contracts.
+      seed: the key the layers' states start from (`init`): `jax.random.key(seed)`, one key
+        folded in per layer. An integer (>= 0).
     """
 
     gradients: bool = True
     hadamard: bool = True
     stochastic_rounding: bool = True
     weight_tiles: bool = True
+    seed: int = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, bool):
+            if field.name == "seed":
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                    raise TypeError(f"Expected an integer >= 0 for `Recipe.seed`, got {value!r}.")
+            elif not isinstance(value, bool):
                 raise TypeError(f"Expected True or False for `Recipe.{field.name}`, got {value!r}.")
+
+    def init(self, key: jax.Array | None = None) -> State:
+        """A layer's state: its draws start from `key` (default `jax.random.key(seed)`)."""
+        return State.of(jax.random.key(self.seed) if key is None else key)
+
+
+@register_state
+@dataclasses.dataclass(frozen=True)
+class State:
+    """One NVFP4 layer's state: the key of its next step's draws (the Hadamard signs and the
+    stochastic rounding), as floats, so that `jax.grad` takes the model state as it is.
+
+    Attributes:
+      key: float32, the key's uint32 words as 16-bit halves (integers below 2**16, exact in
+        float32, and in `optax.apply_updates`' `key + (next - key)`).
+      uses: a float32 scalar slot whose cotangent counts this step's uses of the layer; its
+        value stays 0.
+    """
+
+    key: jax.Array
+    uses: jax.Array
+
+    @classmethod
+    def of(cls, key: jax.Array) -> State:
+        """The state whose draws come from the `jax.random` key `key`."""
+        words = jax.random.key_data(key).astype(jnp.uint32)
+        halves = jnp.stack([words >> 16, words & 0xFFFF], axis=-1).reshape(*words.shape[:-1], -1)
+        return cls(halves.astype(jnp.float32), jnp.zeros(words.shape[:-1], jnp.float32))
+
+    def random_key(self) -> jax.Array:
+        """The `jax.random` key `of` made this state from."""
+        halves = self.key.astype(jnp.uint32).reshape(*self.key.shape[:-1], -1, 2)
+        return jax.random.wrap_key_data((halves[..., 0] << 16) | halves[..., 1])
+
+
+def advanced(state: State) -> State:
+    """The state of the next step: a key split from this one's (distinct from its draws).
+    Stacked states (a scan's layers: leading axes) advance each on its own."""
+    return State.of(_keys(state.random_key())[3])
 
 
 FORWARD_ONLY = Recipe(gradients=False)
@@ -97,10 +148,21 @@ def random_signs(key: jax.Array) -> jax.Array:
 
 def hadamard_rows(a: jax.Array, signs: jax.Array) -> jax.Array:
     """`a` (2-D, rows a multiple of 16) with every block of 16 rows transformed:
-    `T.T @ block` for `T = hadamard_matrix(signs)`."""
+    `T.T @ block` for `T = hadamard_matrix(signs)`, in float32.
+
+    `T.T = H diag(signs) / 4`: the signs, then `H` as the fast Walsh-Hadamard transform's four
+    butterfly stages (additions, no matmul: a report counts no float32 GEMM for it, and it
+    costs 4 additions per value where a 16x16 matmul costs 16 multiply-adds), then a quarter
+    (exact)."""
     rows, cols = a.shape
-    blocks = a.astype(jnp.float32).reshape(rows // BLOCK, BLOCK, cols)
-    return jnp.einsum("bnc,nm->bmc", blocks, hadamard_matrix(signs)).reshape(rows, cols)
+    x = a.astype(jnp.float32).reshape(rows // BLOCK, BLOCK, cols) * signs[:, None]
+    half = 1
+    while half < BLOCK:  # Sylvester's order: [[H, H], [H, -H]] at each doubling
+        pairs = x.reshape(rows // BLOCK, BLOCK // (2 * half), 2, half, cols)
+        low, high = pairs[:, :, 0], pairs[:, :, 1]
+        x = jnp.stack([low + high, low - high], axis=2).reshape(rows // BLOCK, BLOCK, cols)
+        half *= 2
+    return (x * 0.25).reshape(rows, cols)
 
 
 def _e2m1(v: jax.Array, uniform: jax.Array | None) -> jax.Array:
@@ -184,18 +246,20 @@ def _gemm(lhs: tuple, rhs: tuple, use_jax: bool) -> jax.Array:
     """`lhs @ rhs.T` of two `quantize`d operands `(values, scales, tensor scale)`, both
     quantized along the axis it contracts (their last), in float32."""
     (lv, ls, le), (rv, rs, re) = lhs, rhs
-    if use_jax:
-        out = jax.nn.scaled_matmul(lv[None], rv[None], ls[None], rs[None], jnp.float32)[0]
-    else:
-        # Each value times its block's scale: exact in bfloat16 (float32 on CPU, which XLA:CPU
-        # does not always multiply as bfloat16 x bfloat16 -> float32; the same values).
-        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-        out = lax.dot_general(
-            _times_scales(lv, ls).astype(dtype),
-            _times_scales(rv, rs).astype(dtype),
-            (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
+    # Reports count the emulation's dot in this scope as an NVFP4 GEMM (`precision_report`).
+    with jax.named_scope(SCOPE + "nvfp4"):
+        if use_jax:
+            out = jax.nn.scaled_matmul(lv[None], rv[None], ls[None], rs[None], jnp.float32)[0]
+        else:
+            # Each value times its block's scale: exact in bfloat16 (float32 on CPU, which
+            # XLA:CPU does not always multiply as bfloat16 x bfloat16 -> float32; the same).
+            dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+            out = lax.dot_general(
+                _times_scales(lv, ls).astype(dtype),
+                _times_scales(rv, rs).astype(dtype),
+                (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
     # The two tensor scales undone by one multiplication (XLA turns a division by a scalar into
     # one anyway; written so, every backend computes the same float32).
     return out * (1.0 / (le * re))
@@ -205,10 +269,12 @@ def _uniform(key: jax.Array, shape: tuple[int, ...], on: bool) -> jax.Array | No
     return jax.random.uniform(key, shape, jnp.float32) if on else None
 
 
-def _keys(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The draws of one step: the Hadamard signs, and the two gradients' rounding."""
-    signs, data, weight = jax.random.split(key, 3)
-    return signs, data, weight
+def _keys(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The draws of one step from `key`: the Hadamard signs, the two gradients' rounding, and
+    the next step's key (`advanced`). Keys stacked over leading axes split each on its own."""
+    split = jnp.vectorize(lambda k: jax.random.split(k, 4), signature="()->(n)")
+    signs, data, weight, following = (split(key)[..., i] for i in range(4))
+    return signs, data, weight, following
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -228,7 +294,7 @@ def _matmul_bwd(recipe, use_jax, residuals, g):
         dx = g @ w.astype(jnp.float32).T
         dw = x2.astype(jnp.float32).T @ g
         return dx.astype(x2.dtype), dw.astype(w.dtype), None
-    sign_key, data_key, weight_key = _keys(key)
+    sign_key, data_key, weight_key, _ = _keys(key)
     sr = recipe.stochastic_rounding
     # Data gradient, contracting M: g along M; w's tiles are its forward quantization.
     weight = quantize(w, tiles=recipe.weight_tiles)
@@ -243,6 +309,25 @@ def _matmul_bwd(recipe, use_jax, residuals, g):
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _state_matmul(x2, w, state, recipe, use_jax):
+    return _matmul(x2, w, state.random_key(), recipe, use_jax)
+
+
+def _state_matmul_fwd(x2, w, state, recipe, use_jax):
+    return _matmul_fwd(x2, w, state.random_key(), recipe, use_jax)
+
+
+def _state_matmul_bwd(recipe, use_jax, residuals, g):
+    dx, dw, _ = _matmul_bwd(recipe, use_jax, residuals, g)
+    # The state's cotangent counts this use (a `loss_scaling` optimizer advances a used key).
+    shaped = State.of(residuals[2])
+    return dx, dw, State(jnp.zeros_like(shaped.key), jnp.ones_like(shaped.uses))
+
+
+_state_matmul.defvjp(_state_matmul_fwd, _state_matmul_bwd)
 
 
 def nvfp4_matmul(
@@ -310,10 +395,97 @@ def nvfp4_matmul(
     return out.reshape(*x.shape[:-1], w.shape[1]).astype(preferred_element_type)
 
 
+WEIGHT_SIDES = ("rhs", "lhs")
+
+
+def _sides(dimension_numbers, weight: str) -> tuple[tuple, tuple]:
+    """`((activation's contracted axes), (weight's))`, paired in order."""
+    (lc, rc), _ = dimension_numbers
+    return (tuple(lc), tuple(rc)) if weight == "rhs" else (tuple(rc), tuple(lc))
+
+
+def _free(ndim: int, contracted: tuple) -> tuple:
+    return tuple(d for d in range(ndim) if d not in contracted)
+
+
+def linear_ineligible(
+    lhs_shape: tuple, rhs_shape: tuple, dimension_numbers, recipe: Recipe, weight: str = "rhs"
+):
+    """None if `lax.dot_general(lhs, rhs, dimension_numbers)` of these shapes is a linear
+    layer's matmul that `linear_dot_general` takes, its weight the `weight` operand: no batch
+    axes, something contracted, and K (the contraction), M (the weight's other axes) and, with
+    gradients, the tokens (the activation's other axes) multiples of 16; else why not."""
+    if weight not in WEIGHT_SIDES:
+        raise ValueError(f"Expected one of {WEIGHT_SIDES} for `weight`, got {weight!r}.")
+    (lc, _), (lb, rb) = dimension_numbers
+    if lb or rb or not lc:
+        return "not a linear layer's matmul (batch axes, or nothing contracted)"
+    act_shape, w_shape = (lhs_shape, rhs_shape) if weight == "rhs" else (rhs_shape, lhs_shape)
+    act_c, w_c = _sides(dimension_numbers, weight)
+    sizes = {
+        "K (contraction)": math.prod(w_shape[d] for d in w_c),
+        "M (the weight's output width)": math.prod(w_shape[d] for d in _free(len(w_shape), w_c)),
+    }
+    if recipe.gradients:
+        sizes["the tokens"] = math.prod(act_shape[d] for d in _free(len(act_shape), act_c))
+    for name, size in sizes.items():
+        if size == 0 or size % BLOCK:
+            return f"{name} = {size} is not a multiple of {BLOCK}"
+    return None
+
+
+def _rows(a: jax.Array, contracted: tuple) -> jax.Array:
+    """`a` as a matrix: its free axes (rows) by its `contracted` ones (in that order)."""
+    free = _free(a.ndim, contracted)
+    rows = math.prod(a.shape[d] for d in free)
+    return jnp.transpose(a, free + contracted).reshape(rows, -1)
+
+
+def linear_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    state: State,
+    recipe: Recipe,
+    *,
+    weight: str = "rhs",
+    out_dtype: DTypeLike | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """`lax.dot_general(lhs, rhs, dimension_numbers)` of a linear layer as `nvfp4_matmul`, its
+    weight the `weight` operand ("rhs": Flax's `x @ kernel`; "lhs": Equinox's `weight @ x`),
+    the other the activations (`linear_ineligible` says which shapes it takes), its draws from
+    the layer's `state`, whose gradient counts this use (`State`). The result in `out_dtype`
+    (default `lhs`'s); gradients in `lhs`'s and `rhs`'s dtypes."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"Expected one of {IMPLEMENTATIONS} for `implementation`, got {implementation!r}."
+        )
+    reason = linear_ineligible(np.shape(lhs), np.shape(rhs), dimension_numbers, recipe, weight)
+    if reason is not None:
+        raise ValueError(f"linear_dot_general takes a linear layer's matmul: {reason}.")
+    act, w = (lhs, rhs) if weight == "rhs" else (rhs, lhs)
+    act_c, w_c = _sides(dimension_numbers, weight)
+    act_free = [act.shape[d] for d in _free(act.ndim, act_c)]
+    w_free = [w.shape[d] for d in _free(w.ndim, w_c)]
+    use_jax = implementation == "jax" or (implementation is None and hardware_path())
+    out: jax.Array = _state_matmul(_rows(act, act_c), _rows(w, w_c).T, state, recipe, use_jax)
+    if weight == "rhs":
+        out = out.reshape(*act_free, *w_free)
+    else:  # dot_general's layout: the left operand's (the weight's) free axes first
+        out = out.T.reshape(*w_free, *act_free)
+    return out.astype(lhs.dtype if out_dtype is None else out_dtype)
+
+
 __all__ = [
     "BLOCK",
     "FORWARD_ONLY",
     "Recipe",
+    "State",
+    "WEIGHT_SIDES",
+    "advanced",
+    "linear_dot_general",
+    "linear_ineligible",
     "dequantize",
     "e2m1_stochastic_round",
     "hadamard_matrix",

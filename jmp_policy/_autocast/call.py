@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_policy import nvfp4
 from jmp_policy._autocast.evaluation import (
     _FLOAT32,
     REGION_POLICY,
@@ -37,7 +38,7 @@ from jmp_policy._core.pytree import (
     write_back,
     written_back,
 )
-from jmp_policy._fp8.state import Sites
+from jmp_policy._fp8.state import Sites, stateful
 from jmp_policy.fp8 import DelayedScaling
 
 
@@ -55,22 +56,24 @@ class _Autocast:
         self._programs = ByEquality()  # a signature holds NNX graph definitions
 
     @property
-    def _recipe(self) -> DelayedScaling | None:
+    def _recipe(self) -> DelayedScaling | nvfp4.Recipe | None:
         fp8 = self._rules.fp8
-        return fp8[0] if fp8 is not None and isinstance(fp8[0], DelayedScaling) else None
+        return None if fp8 is None else stateful(fp8[0])
 
     def init_fp8_state(self, *args, **kwargs) -> tuple:
-        """The delayed-scaling state of this call's float8 matmuls (an autocast function with
-        a `DelayedScaling` recipe): a tuple, one `Fp8DotState` per matmul in the order the
-        program runs them (a `scan`'s: one tuple, stacked over its steps). Pass it as
-        `fp8_state=` and differentiate with respect to it; a `loss_scaling` optimizer writes
-        its gradient, the next state (docs/fp8.md)."""
+        """The state of this call's float8 or NVFP4 matmuls (an autocast function with a
+        `DelayedScaling` or `nvfp4.Recipe` recipe): a tuple, one `Fp8DotState` (`nvfp4.State`)
+        per matmul in the order the program runs them (a `scan`'s: one tuple, stacked over its
+        steps). Pass it as `fp8_state=` and differentiate with respect to it; a `loss_scaling`
+        optimizer writes the next state from its gradient, unless it skips the step
+        (docs/fp8.md)."""
         recipe = self._recipe
         if recipe is None:
             raise ValueError(
                 "init_fp8_state is for an autocast function under a float8 policy with a "
-                "DelayedScaling recipe (`fp8_scaling=jmp_policy.fp8.DelayedScaling(...)`); "
-                "this one scales currently and has no state."
+                "DelayedScaling recipe (`fp8_scaling=jmp_policy.fp8.DelayedScaling(...)`), or "
+                "under 'mixed_nvfp4' with `fp8_scaling=jmp_policy.nvfp4.Recipe()`; this one "
+                "has no state."
             )
         graphdefs = nnx_graphdefs(args)
         if graphdefs:
@@ -149,9 +152,12 @@ class _Autocast:
             _BUILDING.depth -= 1
         out_tree = jax.tree.structure(out_shape)
         rules, cast_inputs = self._rules, self._cast_inputs
-        # `cast_at_use`: the traced leaves of the first argument are the weights.
+        # `cast_at_use`: the traced leaves of the first argument are the weights; NVFP4's
+        # recipe tells a layer's weight from a float32 input by them (`ops._weight_side`).
         n_weights = 0
-        if rules.at_use and in_tree.children()[0].children():
+        recipe = self._recipe
+        weights_named = rules.reduce or isinstance(recipe, nvfp4.Recipe)
+        if (rules.at_use or weights_named) and in_tree.children()[0].children():
             first = in_tree.children()[0].children()[0].num_leaves
             n_weights = sum(isinstance(s, jax.ShapeDtypeStruct) for s in specs[:first])
 
@@ -166,7 +172,6 @@ class _Autocast:
         )
 
         n_state = 0 if state_tree is None else state_tree.num_leaves
-        recipe = self._recipe
         # Under a float8 policy, where each input sits in the arguments (`model.out.weight`):
         # what names a matmul outside any name scope (an Equinox layer's) in a warning.
         input_names = []
@@ -188,7 +193,7 @@ class _Autocast:
                 sites = Sites(recipe, jax.tree.unflatten(state_tree, state))
             keeps = _rules.kept_for_backward if checkpointed else None
             ev = _Evaluation(rules, keeps=keeps, sites=sites, transcendentals=transcendentals)
-            for weight in flat[:n_weights] if rules.reduce else ():
+            for weight in flat[:n_weights] if weights_named else ():
                 ev.add_weight(weight)
             ev.name_inputs(flat[: len(input_names)], input_names)
             try:
@@ -220,7 +225,7 @@ class _Autocast:
             state = kwargs.pop("fp8_state", None)
             if not isinstance(state, tuple):
                 raise ValueError(
-                    "Expected the delayed-scaling state of this autocast function's float8 "
+                    "Expected the state of this autocast function's float8 (NVFP4) "
                     f"matmuls for `fp8_state`, got {type(state).__name__}: make it with "
                     "`state = f.init_fp8_state(*args)`, call `f(*args, fp8_state=state)` and "
                     "differentiate with respect to it (docs/fp8.md)."

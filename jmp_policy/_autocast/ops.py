@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_policy import nvfp4
 from jmp_policy._autocast.activations import (
     ACTIVATION,
     ISLAND,
@@ -267,14 +268,27 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
         outer = _jaxpr.current_name_stack()
         where = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
         scaling, fmt = rules.fp8
-        low = fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, fmt) is None and (
-            fp8_excluded_by(where, rules.fp8_exclude) is None
-        )
+        side = None
+        if isinstance(scaling, nvfp4.Recipe):  # linear layers only: attention in bfloat16
+            side = _weight_side(ev, invals)
+            shapes = (lhs.shape, rhs.shape, dimension_numbers, scaling)
+            low = side is not None and nvfp4.linear_ineligible(*shapes, side) is None
+        else:
+            low = fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, fmt) is None
+        low = low and fp8_excluded_by(where, rules.fp8_exclude) is None
         fmt_name = (fmt if fmt in MODES else "float8") if low else None
         ev.note_matmul(module_path(where), fmt_name, invals)
         if low:
             with _source_context(eqn):
-                if not isinstance(scaling, DelayedScaling):
+                if isinstance(scaling, nvfp4.Recipe) and ev.sites is not None:
+                    out = nvfp4.linear_dot_general(
+                        lhs, rhs, dimension_numbers, ev.sites.state_for(eqn), scaling,
+                        weight=side or "rhs", out_dtype=rules.compute,
+                    )  # fmt: skip
+                elif isinstance(scaling, nvfp4.Recipe):  # in a custom derivative: no state
+                    out = fp8_dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
+                                          out_dtype=rules.compute)  # fmt: skip
+                elif not isinstance(scaling, DelayedScaling):
                     out = fp8_dot_general(
                         lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling,
                         out_dtype=rules.compute,
@@ -344,6 +358,20 @@ def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> l
         outs = _bind(eqn, met)
     ev.record(outs, kind)
     return outs
+
+
+def _weight_side(ev: _Evaluation, invals: list) -> str | None:
+    """Which operand of a matmul is a layer's weight: the one of kind `WEIGHT` (a float32
+    value that no activation computed): "rhs" (Flax's `x @ kernel`), "lhs" (Equinox's
+    `weight @ x`); where both are (a float32 input times a weight), the one among the first
+    argument's leaves (`add_weight`: a model, Flax's variables), else "rhs"; None where
+    neither is (two activations: attention's products, which the recipe leaves in bfloat16)."""
+    lhs, rhs = (ev.kind(x) == WEIGHT for x in invals)
+    if lhs and rhs:
+        return "lhs" if ev.is_weight(invals[0]) and not ev.is_weight(invals[1]) else "rhs"
+    if rhs:
+        return "rhs"
+    return "lhs" if lhs else None
 
 
 def _strong(eqn: Any, floating: list) -> list:

@@ -140,7 +140,10 @@ def autocast(
         `jmp_policy.fp8.fp8_dot_general`), or a `jmp_policy.fp8.DelayedScaling`
         recipe ("delayed": the default one): scales from earlier steps' amaxes, a
         state per matmul that the function then takes as `fp8_state=` (made by
-        its `init_fp8_state(*args)`; docs/fp8.md). Ignored otherwise.
+        its `init_fp8_state(*args)`; docs/fp8.md). With `"mixed_nvfp4"`, a
+        `jmp_policy.nvfp4.Recipe`: NVIDIA's training recipe on every linear
+        layer (all three GEMMs in NVFP4; attention's matmuls in bfloat16), its
+        state the key of each layer's draws, taken the same way. Ignored otherwise.
       fp8_format: with a float8 policy, "hybrid" (e5m2 gradients) or "e4m3" (with a
         `DelayedScaling`, its own `fmt` decides).
       fp8_exclude: with a float8 policy, regular expressions for module names

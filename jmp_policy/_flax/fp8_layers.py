@@ -1,31 +1,62 @@
-"""`mixed_float8` with a `DelayedScaling` recipe in Flax's Dense/Linear layers: the
-`dot_general` each float8 layer takes, holding its matmul's delayed-scaling state as model
-state (`_fp8_state`): in Linen a variable of the `"fp8_state"` collection, made at `init`; in
-NNX an `Fp8State` (an `nnx.Param`, so `nnx.grad` and `nnx.Optimizer` see it) of a submodule.
-A matmul whose sizes a float8 GEMM does not take runs as `lax.dot_general` and leaves its
-state as it is."""
+"""`mixed_float8` with a `DelayedScaling` recipe, and `mixed_nvfp4` with NVIDIA's training
+recipe (`nvfp4.Recipe`), in Flax's Dense/Linear layers: the `dot_general` each such layer
+takes, holding its matmul's state as model state (`_fp8_state`): in Linen a variable of the
+`"fp8_state"` collection, made at `init`; in NNX an `Fp8State` (an `nnx.Param`, so `nnx.grad`
+and `nnx.Optimizer` see it) of a submodule. A matmul whose sizes the format's GEMM does not
+take runs as `lax.dot_general` and leaves its state as it is. NVFP4's state is the key of the
+layer's draws, from the recipe's seed and the layer's module path."""
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import nnx
 from jax import lax
 
+from jmp_policy import nvfp4
 from jmp_policy._fp8.delayed import DelayedScaling
-from jmp_policy._fp8.state import FP8_STATE, checked_scaling, delayed_dot_general
+from jmp_policy._fp8.state import (
+    FP8_STATE,
+    checked_scaling,
+    fresh_state,
+    state_dot_general,
+    stateful,
+)
 from jmp_policy.fp8 import fp8_eligible
+
+Recipe = DelayedScaling | nvfp4.Recipe
+
+
+def _ineligible(lhs, rhs, dimension_numbers, recipe: Recipe) -> str | None:
+    if isinstance(recipe, nvfp4.Recipe):
+        return nvfp4.linear_ineligible(lhs.shape, rhs.shape, dimension_numbers, recipe)
+    return fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, recipe.fmt)
 
 
 def _dot(lhs, rhs, dimension_numbers, state, recipe, precision, preferred, kwargs):
     placed = any(v is not None for v in kwargs.values())  # e.g. nnx's out_sharding
-    if placed or fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, recipe.fmt) is not None:
+    if placed or _ineligible(lhs, rhs, dimension_numbers, recipe) is not None:
         return lax.dot_general(
             lhs, rhs, dimension_numbers, precision=precision,
             preferred_element_type=preferred, **kwargs,
         )  # fmt: skip
-    return delayed_dot_general(lhs, rhs, dimension_numbers, state(), recipe, out_dtype=preferred)
+    return state_dot_general(lhs, rhs, dimension_numbers, state(), recipe, out_dtype=preferred)
+
+
+def _first_state(recipe: Recipe, path: tuple[str, ...]) -> object:
+    """A layer's first state: NVFP4's key folded from the recipe's seed by the layer's module
+    path (the same in every process: `zlib.crc32`, not Python's salted hash)."""
+    if not isinstance(recipe, nvfp4.Recipe):
+        return fresh_state(recipe)
+    where = zlib.crc32("/".join(path).encode())
+    return fresh_state(recipe, jax.random.fold_in(jax.random.key(recipe.seed), where))
+
+
+def _format(recipe: Recipe) -> str:
+    return "nvfp4" if isinstance(recipe, nvfp4.Recipe) else recipe.fmt
 
 
 class LinenDelayedDot:
@@ -33,9 +64,10 @@ class LinenDelayedDot:
     layer's per-call clone): its state is the layer's `"fp8_state"` variable
     `"matmul"`, made by `init`."""
 
-    def __init__(self, module: nn.Module, recipe: DelayedScaling):
+    def __init__(self, module: nn.Module, recipe: Recipe):
         self.module = module
         self.recipe = recipe
+        self.fmt = _format(recipe)
 
     def __call__(
         self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
@@ -50,7 +82,8 @@ class LinenDelayedDot:
                     "Make the variables with this wrapper's `init`, and pass them all to "
                     "`apply` (and to `jax.grad`: the collection's gradient is its next value)."
                 )
-            return module.variable(FP8_STATE, "matmul", self.recipe.init).value
+            path = tuple(module.scope.path) if module.scope is not None else ()
+            return module.variable(FP8_STATE, "matmul", _first_state, self.recipe, path).value
 
         return _dot(
             lhs, rhs, dimension_numbers, state, self.recipe, precision, preferred_element_type,
@@ -68,9 +101,10 @@ class NnxDelayedDot(nnx.Module):
     """The `dot_general` `nnx.mixed_precision` gives a float8 `Linear`/`LinearGeneral` under a
     `DelayedScaling` recipe: a submodule holding the matmul's `Fp8State`."""
 
-    def __init__(self, recipe: DelayedScaling):
+    def __init__(self, recipe: Recipe, path: tuple[str, ...] = ()):
         self.recipe = recipe
-        self.state = Fp8State(recipe.init())
+        self.fmt = _format(recipe)
+        self.state = Fp8State(_first_state(recipe, path))
 
     def __call__(
         self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
@@ -85,16 +119,19 @@ def is_delayed_dot(x: Any) -> bool:
     return isinstance(x, (LinenDelayedDot, NnxDelayedDot))
 
 
-def layer_recipe(fp8_scaling: Any, policy: Any) -> DelayedScaling | None:
+def layer_recipe(fp8_scaling: Any, policy: Any) -> Recipe | None:
     """The `fp8_scaling` of `linen`/`nnx.mixed_precision`: None for "tensorwise" (current
-    scaling, `Fp8DotGeneral`), or the `DelayedScaling` recipe ("delayed": the default one)."""
+    scaling, `Fp8DotGeneral`), the `DelayedScaling` recipe ("delayed": the default one), or
+    NVFP4's `nvfp4.Recipe` (under `"mixed_nvfp4"`)."""
     scaling = checked_scaling(fp8_scaling, policy)
-    if isinstance(scaling, DelayedScaling):
-        return scaling
+    recipe = stateful(scaling)
+    if recipe is not None:
+        return recipe
     if scaling != "tensorwise":
         raise ValueError(
             f"Unknown `fp8_scaling` {fp8_scaling!r} for a Flax integration: expected "
-            "'tensorwise', 'delayed' or a jmp_policy.fp8.DelayedScaling recipe (rowwise "
-            "scaling: `jmp_policy.autocast(..., fp8_scaling='rowwise')`)."
+            "'tensorwise', 'delayed', a jmp_policy.fp8.DelayedScaling recipe or (under "
+            "'mixed_nvfp4') a jmp_policy.nvfp4.Recipe (rowwise scaling: "
+            "`jmp_policy.autocast(..., fp8_scaling='rowwise')`)."
         )
     return None

@@ -13,6 +13,10 @@ its value; a state used n times (a layer called twice, one example per call unde
 gets the mean of its n next states. `loss_scaling` finds the states in the gradients by their
 type (`Fp8DotState`), keeps them out of the inner optimizer (no clipping, no weight decay, no
 unscaling) and hands back the update that writes them, or keeps them on a skipped step.
+
+NVFP4's training recipe (`mixed_nvfp4` with an `nvfp4.Recipe`) keeps a state per matmul the same
+way: the key of its draws (`nvfp4.State`), whose gradient counts its uses; the write is the key
+after it (`nvfp4.advanced`) where the step is applied and used it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jmp_policy import nvfp4
 from jmp_policy._fp8.delayed import DelayedScaling, Fp8DotState
 from jmp_policy._fp8.scaling import (
     E4M3,
@@ -41,8 +46,43 @@ FP8_STATE = "fp8_state"
 state of `mixed_float8`'s matmuls."""
 
 
+STATEFUL = (DelayedScaling, nvfp4.Recipe)
+"""The recipes whose matmuls keep a state per matmul: float8's delayed scaling (`Fp8DotState`),
+and NVFP4's training recipe (`nvfp4.State`, the key of its draws)."""
+
+
 def is_state(x: Any) -> bool:
-    return isinstance(x, Fp8DotState)
+    return isinstance(x, (Fp8DotState, nvfp4.State))
+
+
+def stateful(scaling: Any) -> DelayedScaling | nvfp4.Recipe | None:
+    """`scaling` if it is a recipe whose matmuls keep state (`STATEFUL`), else None."""
+    return scaling if isinstance(scaling, STATEFUL) else None
+
+
+def state_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    state: Any,
+    recipe: DelayedScaling | nvfp4.Recipe,
+    *,
+    out_dtype: DTypeLike | None = None,
+) -> jax.Array:
+    """One matmul of a stateful recipe with its `state`, whose gradient `written` reads:
+    `delayed_dot_general` for a `DelayedScaling`, `nvfp4.linear_dot_general` for NVFP4's."""
+    if isinstance(recipe, nvfp4.Recipe):
+        out_dtype = lhs.dtype if out_dtype is None else out_dtype
+        return nvfp4.linear_dot_general(
+            lhs, rhs, dimension_numbers, state, recipe, out_dtype=out_dtype
+        )
+    return delayed_dot_general(lhs, rhs, dimension_numbers, state, recipe, out_dtype=out_dtype)
+
+
+def fresh_state(recipe: DelayedScaling | nvfp4.Recipe, key: jax.Array | None = None) -> Any:
+    """A matmul's first state: NVFP4's from `key` (a layer's own, folded from the recipe's
+    seed), float8's the same for every matmul."""
+    return recipe.init(key) if isinstance(recipe, nvfp4.Recipe) else recipe.init()
 
 
 def delayed_dot_general(
@@ -160,14 +200,28 @@ def written(updates: Any, grads: tuple[list, Any], params: Any, applied: jax.Arr
     return jax.tree.unflatten(treedef, out)
 
 
-def stepped(grad: Fp8DotState, old: Fp8DotState) -> Fp8DotState:
+def stepped(grad: Any, old: Any) -> Any:
     """The state an applied step writes from `grad`, the gradient of a state `old` that a
     policy's matmuls used (its next value, summed over its uses, which `grad_amax` counts);
     `old` where it was not used."""
     return jax.tree.map(jnp.add, old, _write(grad, old, jnp.asarray(True)))
 
 
-def _write(grad: Fp8DotState, old: Fp8DotState, applied: jax.Array) -> Fp8DotState:
+def _write(grad: Any, old: Any, applied: jax.Array) -> Any:
+    if isinstance(grad, nvfp4.State):
+        return _write_key(grad, old, applied)
+    return _write_delayed(grad, old, applied)
+
+
+def _write_key(grad: nvfp4.State, old: nvfp4.State, applied: jax.Array) -> nvfp4.State:
+    """An NVFP4 layer's key advanced (`nvfp4.advanced`) where the step is `applied` and used
+    it: as the update `next - old`, exact in float32 (16-bit halves)."""
+    write = (applied & (grad.uses > 0))[..., None]
+    step = nvfp4.advanced(old).key - old.key
+    return nvfp4.State(jnp.where(write, step, jnp.zeros_like(old.key)), -old.uses)
+
+
+def _write_delayed(grad: Fp8DotState, old: Fp8DotState, applied: jax.Array) -> Fp8DotState:
     count = grad.grad_amax  # uses this step (summed, as gradients are)
     write = applied & (count > 0)
     safe = jnp.where(count > 0, count, 1.0)
@@ -199,7 +253,7 @@ class Sites:
     step (`child`). Built with `states` (a call) or without (`init_fp8_state`: each matmul
     records a fresh `recipe.init()`)."""
 
-    def __init__(self, recipe: DelayedScaling, states: tuple | None = None):
+    def __init__(self, recipe: DelayedScaling | nvfp4.Recipe, states: tuple | None = None):
         self.recipe = recipe
         self._states = states
         self._index: dict[Any, int] = {}  # equation (hashed by identity) -> its number
@@ -219,12 +273,13 @@ class Sites:
             )
         return index, True
 
-    def state_for(self, eqn: Any) -> Fp8DotState:
+    def state_for(self, eqn: Any) -> Any:
+        """The state of the matmul `eqn`: an `Fp8DotState`, or an `nvfp4.State`."""
         index, new = self._number(eqn)
         if self._states is None:
             if new:
                 self._entries.append("matmul")  # its state made outside the trace (`build`)
-            return self.recipe.init()
+            return fresh_state(self.recipe)
         state = self._states[index]
         if not is_state(state):
             raise ValueError(
@@ -260,18 +315,25 @@ class Sites:
                 "`init_fp8_state`."
             )
 
-    def build(self) -> tuple:
-        """The states `init_fp8_state` hands out: one per matmul, a stacked tuple per scan."""
+    def build(self, key: jax.Array | None = None) -> tuple:
+        """The states `init_fp8_state` hands out: one per matmul, a stacked tuple per scan.
+        NVFP4's from `key` (default: the recipe's seed), one folded in per entry and split
+        over a scan's steps, so that no two layers draw alike."""
+        if key is None and isinstance(self.recipe, nvfp4.Recipe):
+            key = jax.random.key(self.recipe.seed)
 
-        def built(entry: Any) -> Any:
+        def built(index: int, entry: Any) -> Any:
+            own = None if key is None else jax.random.fold_in(key, index)
             if entry == "matmul":
-                return self.recipe.init()
+                return fresh_state(self.recipe, own)
+            if own is not None:
+                return jax.vmap(entry.sites.build)(jax.random.split(own, entry.length))
             return jax.tree.map(
                 lambda x: jnp.broadcast_to(x, (entry.length, *x.shape)).copy(),
                 entry.sites.build(),
             )
 
-        return tuple(built(e) for e in self._entries)
+        return tuple(built(i, e) for i, e in enumerate(self._entries))
 
 
 def checked_scaling(scaling: Any, policy: Any, argument: str = "fp8_scaling") -> Any:
@@ -280,6 +342,15 @@ def checked_scaling(scaling: Any, policy: Any, argument: str = "fp8_scaling") ->
     float8 policy (`mixed_float8`) takes."""
     if isinstance(scaling, str) and scaling == "delayed":
         scaling = DelayedScaling()
+    nvfp4_policy = np.dtype(policy.compute_dtype) == np.dtype(jnp.float4_e2m1fn)
+    if isinstance(scaling, nvfp4.Recipe):
+        if not nvfp4_policy:
+            raise ValueError(
+                f"A jmp_policy.nvfp4.Recipe for `{argument}` is NVFP4's training recipe, for "
+                "a 'mixed_nvfp4' policy; the policy computes in "
+                f"{np.dtype(policy.compute_dtype).name}."
+            )
+        return scaling
     if isinstance(scaling, DelayedScaling):
         if policy.compute_dtype.itemsize == 1 and np.dtype(policy.compute_dtype) not in (
             np.dtype(E4M3),
@@ -293,18 +364,23 @@ def checked_scaling(scaling: Any, policy: Any, argument: str = "fp8_scaling") ->
         return scaling
     if not isinstance(scaling, str) or scaling not in SCALINGS:
         raise ValueError(
-            f"Unknown `{argument}` {scaling!r}: expected 'tensorwise', 'rowwise', 'delayed' or "
-            "a jmp_policy.fp8.DelayedScaling recipe."
+            f"Unknown `{argument}` {scaling!r}: expected 'tensorwise', 'rowwise', 'delayed', "
+            "a jmp_policy.fp8.DelayedScaling recipe, or (under 'mixed_nvfp4') a "
+            "jmp_policy.nvfp4.Recipe."
         )
     return scaling
 
 
 __all__ = [
     "FP8_STATE",
+    "STATEFUL",
+    "fresh_state",
     "Sites",
     "checked_scaling",
     "delayed_dot_general",
     "is_state",
+    "state_dot_general",
+    "stateful",
     "split_states",
     "without_states",
     "written",
