@@ -1,5 +1,7 @@
 """Tests for jmp_policy.autocast: op lists applied to unmodified programs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,6 +206,30 @@ def test_static_arguments_and_cache():
     assert calls == [2, 3]  # traced once per signature
     kw = jmp.autocast(lambda x, *, axis: x.sum(axis=axis), static_argnames="axis")
     assert kw(jnp.ones((2, 3)), axis=1).shape == (2,)
+
+
+def test_a_non_array_leaf_is_part_of_the_program_by_value_or_by_identity():
+    """Leaves that are not arrays go into the program as they are, like `eqx.filter_jit`'s: one
+    program per equal hashable value, and per object for an unhashable one (equal or not: its
+    value could change in place)."""
+    import types
+
+    calls = []
+
+    def f(x, config):
+        calls.append(config)
+        return x * config.scale
+
+    mixed = jmp.autocast(f, "mixed_float16")
+    x = jnp.ones(3)
+    first, second = types.SimpleNamespace(scale=2.0), types.SimpleNamespace(scale=2.0)
+    mixed(x, first), mixed(x, first)
+    assert calls == [first]
+    mixed(x, second)  # equal, but another object
+    assert len(calls) == 2 and calls[1] is second
+    frozen = dataclasses.make_dataclass("Frozen", [("scale", float)], frozen=True)
+    mixed(x, frozen(3.0)), mixed(x, frozen(3.0))  # hashable: by value
+    assert len(calls) == 3
 
 
 def test_integer_bool_and_key_values_untouched():

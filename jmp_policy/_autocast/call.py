@@ -248,25 +248,31 @@ class _Autocast:
 
 
 class _StaticLeaf:
-    """A leaf passed through untouched: compared by value where it can be, else by identity."""
+    """A leaf passed through untouched: compared by value where it can be, else by identity
+    (`is`: an unhashable leaf hashes by its type alone, no table of `id()`s)."""
 
     __slots__ = ("value",)
 
     def __init__(self, value: Any):
         self.value = value
 
-    def _key(self) -> Any:
+    def _hashable(self) -> bool:
         try:
             hash(self.value)
         except TypeError:
-            return (type(self.value), id(self.value))
-        return (type(self.value), self.value)
+            return False
+        return True
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        value = self.value
+        return hash((type(value), value) if self._hashable() else type(value))
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _StaticLeaf) and self._key() == other._key()
+        if not isinstance(other, _StaticLeaf) or type(self.value) is not type(other.value):
+            return False
+        if self._hashable() and other._hashable():
+            return bool(self.value == other.value)
+        return self.value is other.value
 
 
 def _weak(x: Any) -> bool:
