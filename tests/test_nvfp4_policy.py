@@ -45,38 +45,55 @@ class LinenLM(nn.Module):
         return nn.Dense(self.vocab, name="head")(Block()(x))
 
 
-class NnxMLP(nnx.Module):
+class NnxLM(nnx.Module):
+    """A pre-norm transformer block as Flax's NNX examples write one."""
+
     def __init__(self, rngs: nnx.Rngs):
         self.embed = nnx.Embed(24, 32, rngs=rngs)
+        self.norm1 = nnx.LayerNorm(32, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=2, in_features=32, decode=False, rngs=rngs
+        )
+        self.norm2 = nnx.LayerNorm(32, rngs=rngs)
         self.up = nnx.Linear(32, 64, rngs=rngs)
         self.down = nnx.Linear(64, 32, rngs=rngs)
         self.head = nnx.Linear(32, 24, rngs=rngs)
 
     def __call__(self, tokens):
         x = self.embed(tokens)
-        return self.head(x + self.down(nnx.gelu(self.up(x))))
+        x = x + self.attention(self.norm1(x))
+        x = x + self.down(nnx.gelu(self.up(self.norm2(x))))
+        return self.head(x)
 
 
-class EqxMLP(eqx.Module):
+class EqxLM(eqx.Module):
     """Equinox's way: one sequence per call (`jax.vmap` over the batch outside), each layer
     `jax.vmap`ped over the tokens: the program multiplies `weight @ x`."""
 
     embed: eqx.nn.Embedding
+    norm1: eqx.nn.LayerNorm
+    attention: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
     up: eqx.nn.Linear
     down: eqx.nn.Linear
     head: eqx.nn.Linear
 
     def __init__(self, key):
-        k = jax.random.split(key, 4)
+        k = jax.random.split(key, 5)
         self.embed = eqx.nn.Embedding(24, 32, key=k[0])
-        self.up = eqx.nn.Linear(32, 64, key=k[1])
-        self.down = eqx.nn.Linear(64, 32, key=k[2])
-        self.head = eqx.nn.Linear(32, 24, key=k[3])
+        self.norm1, self.norm2 = eqx.nn.LayerNorm(32), eqx.nn.LayerNorm(32)
+        self.attention = eqx.nn.MultiheadAttention(2, 32, key=k[1])
+        self.up = eqx.nn.Linear(32, 64, key=k[2])
+        self.down = eqx.nn.Linear(64, 32, key=k[3])
+        self.head = eqx.nn.Linear(32, 24, key=k[4])
 
     def __call__(self, tokens):
         x = jax.vmap(self.embed)(tokens)
-        h = jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(x)))
-        return jax.vmap(self.head)(x + h)
+        h = jax.vmap(self.norm1)(x)
+        x = x + self.attention(h, h, h)
+        h = jax.vmap(self.norm2)(x)
+        x = x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(h)))
+        return jax.vmap(self.head)(x)
 
 
 class OverTokens(eqx.Module):
@@ -118,7 +135,7 @@ def _integration(name):
 
         return tree, loss, lambda t: jax.tree.leaves(t["fp8_state"], is_leaf=_is_state)
     if name == "nnx":
-        model = jmp.nnx.mixed_precision(NnxMLP(nnx.Rngs(0)), "mixed_nvfp4", fp8_scaling=RECIPE)
+        model = jmp.nnx.mixed_precision(NnxLM(nnx.Rngs(0)), "mixed_nvfp4", fp8_scaling=RECIPE)
         graphdef, state = nnx.split(model)
 
         def loss(state, x, y):
@@ -126,7 +143,7 @@ def _integration(name):
 
         return state, loss, lambda s: [v for v in jax.tree.leaves(s, is_leaf=_is_state)
                                        if _is_state(v)]  # fmt: skip
-    model = jmp.eqx.mixed_precision(EqxMLP(jax.random.key(0)), "mixed_nvfp4", fp8_scaling=RECIPE)
+    model = jmp.eqx.mixed_precision(EqxLM(jax.random.key(0)), "mixed_nvfp4", fp8_scaling=RECIPE)
     model = model.init_fp8_state(x[0])
     arrays, static = eqx.partition(model, eqx.is_array)
 
@@ -151,8 +168,8 @@ def _step(loss, tx):
     return step
 
 
-# Quantized layers: Linen's block has q, k, v, out and two Dense; the MLPs up and down.
-LAYERS = {"autocast": 6, "linen": 6, "nnx": 2, "eqx": 2}
+# Quantized layers: each block's query, key, value, output and two MLP layers.
+LAYERS = {"autocast": 6, "linen": 6, "nnx": 6, "eqx": 6}
 
 
 @pytest.mark.standard_promotion  # optax's adam mixes int32 and float
