@@ -126,14 +126,19 @@ def precision_advice(train_ids, vocab, args, dtype):
 def train(policy_name, train_ids, val_ids, vocab, args, overrides=None):
     policy = jmp.get_policy(policy_name)
     seed = getattr(args, "seed", 0)
-    delayed = policy.compute_dtype.itemsize == 1 and getattr(args, "fp8_scaling", "") == "delayed"
+    scaling = getattr(args, "fp8_scaling", "tensorwise")
+    if scaling == "recipe":  # NVIDIA's NVFP4 training recipe, its draws from the run's seed
+        scaling = jmp.nvfp4.Recipe(seed=seed)
+    delayed = policy.compute_dtype.itemsize == 1 and (
+        isinstance(scaling, jmp.nvfp4.Recipe) or scaling == "delayed"
+    )
     if policy.compute_dtype.itemsize == 1:
         # float8 matmuls run through autocast, which scales each operand: from the operand
-        # itself (tensorwise), or from earlier steps' amaxes (delayed: a state per matmul).
+        # itself (tensorwise), or from earlier steps' amaxes (delayed: a state per matmul);
+        # NVFP4's recipe keeps a key per matmul as its state.
         model = LanguageModel(vocab, length=args.length)
-        apply = jmp.autocast(
-            model.apply, policy, fp8_scaling="delayed" if delayed else "tensorwise"
-        )
+        exclude = getattr(args, "fp8_exclude", jmp.fp8.FP8_EXCLUDE)
+        apply = jmp.autocast(model.apply, policy, fp8_scaling=scaling, fp8_exclude=exclude)
     else:
         model = jmp.linen.mixed_precision(
             LanguageModel(vocab, length=args.length),
@@ -378,10 +383,12 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="parameters and batch order")
     parser.add_argument(
         "--fp8-scaling",
-        choices=("tensorwise", "delayed"),
+        choices=("tensorwise", "delayed", "recipe"),
         default="tensorwise",
         help="mixed_float8's scales: from each operand (tensorwise) or from earlier steps' "
-        "amaxes (delayed, TransformerEngine's recipe: a state trained with the parameters)",
+        "amaxes (delayed, TransformerEngine's recipe: a state trained with the parameters); "
+        "recipe: mixed_nvfp4 as NVIDIA's NVFP4 training recipe (all three GEMMs of each "
+        "linear layer in NVFP4, jmp_policy.nvfp4)",
     )
     parser.add_argument(
         "--advice",

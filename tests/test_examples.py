@@ -1,6 +1,7 @@
 """Examples and benchmarks run in a fast mode, so they cannot rot."""
 
 import importlib.util
+import math
 import os
 import pathlib
 import re
@@ -316,6 +317,21 @@ def test_gpu_benchmark_exits_cleanly_without_gpu(capsys):
         pytest.skip("a GPU is present")
     assert load("benchmarks/gpu_transformer.py").main([]) is None
     assert "No GPU here" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 30 s of compiling on 2 cores; tests/test_nvfp4_policy.py trains it fast
+def test_demo_trains_with_nvfp4s_recipe(tmp_path):
+    """`--policies mixed_nvfp4 --fp8-scaling recipe`: each linear layer's three GEMMs in NVFP4
+    (`jmp_policy.nvfp4.Recipe`, its keys as state), and the loss goes down
+    (benchmarks/bench_nvfp4_recipe.py measures the 300-step runs)."""
+    (run,) = load("examples/demo.py").main(
+        ["--steps", "4", "--batch", "8", "--length", "32", "--val-batches", "1", "--quiet",
+         "--out", str(tmp_path), "--policies", "mixed_nvfp4", "--fp8-scaling", "recipe"]
+    )  # fmt: skip
+    # Forward and both gradient GEMMs of the 12 linear layers (not attention's products, the
+    # head or the embedding): more than a third of the step's matmul FLOPs.
+    assert 0.35 < run.fp8_share < 1.0
+    assert run.losses[-1] < run.losses[0] and math.isfinite(run.val_loss)
 
 
 @pytest.mark.slow  # four short demo runs (about 90 s on 2 cores): .ci/run's slow lane
