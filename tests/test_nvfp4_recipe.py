@@ -108,6 +108,38 @@ def test_each_gemm_is_the_numpy_reference_bit_for_bit(tiles, stochastic):
     np.testing.assert_array_equal(np.asarray(dw), expected_dw)
 
 
+def test_the_hardware_path_through_jaxs_op_is_the_emulation_bit_for_bit(monkeypatch):
+    """`implementation="jax"` (what a Blackwell GPU runs: `jax.nn.scaled_matmul` of the quantized
+    values and scales) with JAX's cuDNN kernel replaced by its definition (each value times its
+    block's scale, a float32 dot), on CPU: the emulation's three GEMMs to the bit (one block per
+    contraction), so the values, the scales' layout and the transposes given to JAX's op are
+    the emulation's."""
+    functions = pytest.importorskip("jax._src.nn.functions")
+    if not hasattr(functions, "cudnn_scaled_matmul"):
+        pytest.skip("this JAX names its cuDNN scaled matmul otherwise")
+
+    def on_cpu(a, b, a_scales, b_scales, preferred_element_type=jnp.float32):
+        def dequantize(x, scales):
+            return x.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), 16, axis=-1)
+
+        out = jnp.einsum("bmk,bnk->bmn", dequantize(a, a_scales), dequantize(b, b_scales))
+        return out.astype(preferred_element_type)
+
+    monkeypatch.setattr(functions, "cudnn_scaled_matmul", on_cpu)
+    x, w, g = _case(16, 16, 16)
+    key = jax.random.key(3)
+    for recipe in (FULL, nvfp4.Recipe(weight_tiles=False, hadamard=False)):
+
+        def grads(implementation, recipe=recipe):
+            def f(x, w):
+                return nvfp4.nvfp4_matmul(x, w, key, recipe=recipe, implementation=implementation)
+
+            out, pull = jax.vjp(f, x, w)
+            return (out, *pull(g))
+
+        jax.tree.map(np.testing.assert_array_equal, grads("jax"), grads("emulated"))
+
+
 def test_many_blocks_match_the_reference_to_float32_rounding():
     """Several blocks per contraction (and a 3-D input): the same quantized operands, their
     products exact; only the order of the float32 sum can differ from the reference."""
