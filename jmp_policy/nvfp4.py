@@ -249,7 +249,7 @@ def _gemm(lhs: tuple, rhs: tuple, use_jax: bool) -> jax.Array:
     # Reports count the emulation's dot in this scope as an NVFP4 GEMM (`precision_report`).
     with jax.named_scope(SCOPE + "nvfp4"):
         if use_jax:
-            out = jax.nn.scaled_matmul(lv[None], rv[None], ls[None], rs[None], jnp.float32)[0]
+            out = _scaled_matmul(lv, ls, rv, rs)
         else:
             # Each value times its block's scale: exact in bfloat16 (float32 on CPU, which
             # XLA:CPU does not always multiply as bfloat16 x bfloat16 -> float32; the same).
@@ -263,6 +263,37 @@ def _gemm(lhs: tuple, rhs: tuple, use_jax: bool) -> jax.Array:
     # The two tensor scales undone by one multiplication (XLA turns a division by a scalar into
     # one anyway; written so, every backend computes the same float32).
     return out * (1.0 / (le * re))
+
+
+@jax.custom_batching.custom_vmap
+def _scaled_matmul(lv: jax.Array, ls: jax.Array, rv: jax.Array, rs: jax.Array) -> jax.Array:
+    """`jax.nn.scaled_matmul` of two 2-D quantized operands (`lhs @ rhs.T`, float32), as a
+    function `vmap` folds into the GEMM, as `lax.dot_general`'s batching does: JAX's own
+    batching of its op wants all four arguments mapped, and an Equinox layer under `vmap` maps
+    its input only (the tokens of each example, the weight shared)."""
+    return jax.nn.scaled_matmul(lv[None], rv[None], ls[None], rs[None], jnp.float32)[0]
+
+
+@_scaled_matmul.def_vmap
+def _(axis_size: int, in_batched: list[bool], lv, ls, rv, rs):
+    def mapped(x: jax.Array, batched: bool) -> jax.Array:
+        return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+
+    lhs_mapped, rhs_mapped = in_batched[0] or in_batched[1], in_batched[2] or in_batched[3]
+    if lhs_mapped and rhs_mapped:  # a batch axis of the GEMM: JAX's op takes it as it is
+        lv, ls, rv, rs = (mapped(x, b) for x, b in zip((lv, ls, rv, rs), in_batched, strict=True))
+        return jax.nn.scaled_matmul(lv, rv, ls, rs, jnp.float32), True
+    if not (lhs_mapped or rhs_mapped):
+        return _scaled_matmul(lv, ls, rv, rs), False
+    if lhs_mapped:  # more rows of the left operand
+        lv, ls = mapped(lv, in_batched[0]), mapped(ls, in_batched[1])
+        rows = lv.shape[1]
+        out = _scaled_matmul(lv.reshape(-1, lv.shape[2]), ls.reshape(-1, ls.shape[2]), rv, rs)
+        return out.reshape(axis_size, rows, -1), True
+    rv, rs = mapped(rv, in_batched[2]), mapped(rs, in_batched[3])  # more rows of the right one
+    cols = rv.shape[1]
+    out = _scaled_matmul(lv, ls, rv.reshape(-1, rv.shape[2]), rs.reshape(-1, rs.shape[2]))
+    return jnp.moveaxis(out.reshape(out.shape[0], axis_size, cols), 1, 0), True
 
 
 def _uniform(key: jax.Array, shape: tuple[int, ...], on: bool) -> jax.Array | None:

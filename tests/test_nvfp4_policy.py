@@ -313,11 +313,13 @@ def test_the_recipes_state_round_trips_through_orbax(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, resumed[0], tree)
 
 
-def test_the_cuda_train_step_holds_nvfp4_gemms_for_all_three_products(monkeypatch):
+@pytest.mark.parametrize("name", ["autocast", "linen", "nnx", "eqx"])
+def test_the_cuda_train_step_holds_nvfp4_gemms_for_all_three_products(monkeypatch, name):
     """Where JAX's op runs on the device (Blackwell: `hardware_path`), each quantized layer's
     forward, data-gradient and weight-gradient GEMMs are `__op$block_scaled_dot` calls on
-    float4_e2m1fn values with float8_e4m3fn scales: 3 x 6 in the Linen block."""
-    tree, loss, _ = _integration("linen")
+    float4_e2m1fn values with float8_e4m3fn scales: 3 x 6 in each block (Equinox's per example,
+    under `vmap`, folded into one GEMM each)."""
+    tree, loss, _ = _integration(name)
     x, y = _tokens()
     monkeypatch.setattr(nvfp4, "hardware_path", lambda: True)  # from here on: traced only
     module = export.export(
@@ -329,8 +331,8 @@ def test_the_cuda_train_step_holds_nvfp4_gemms_for_all_three_products(monkeypatc
     # JAX's op is one function per shape in the module, called once per GEMM of that shape.
     assert calls and all(c.count("xf4E2M1FN>") == 2 and c.count("xf8E4M3FN>") == 2 for c in calls)
     report = jmp.precision_report(jax.grad(loss), tree, x, y)
-    assert report.counts["dot_general"]["nvfp4"] == 3 * LAYERS["linen"]
-    assert _called_gemms(module) == 3 * LAYERS["linen"]
+    assert report.counts["dot_general"]["nvfp4"] == 3 * LAYERS[name]
+    assert _called_gemms(module) == 3 * LAYERS[name]
     assert block_scaled.hardware_path() is False  # only the recipe's module was told otherwise
 
 

@@ -139,6 +139,21 @@ def test_the_hardware_path_through_jaxs_op_is_the_emulation_bit_for_bit(monkeypa
 
         jax.tree.map(np.testing.assert_array_equal, grads("jax"), grads("emulated"))
 
+    # Under `vmap` (JAX's own batching of its op wants all four arguments mapped): the inputs
+    # mapped and the weight shared (an Equinox layer per example), the weight mapped alone, both.
+    xs = jnp.stack([x, 2 * x, -x])
+    ws = jnp.stack([w, w[::-1], 0.5 * w])
+    for axes, args in (((0, None), (xs, w)), ((None, 0), (x, ws)), ((0, 0), (xs, ws))):
+
+        def batched(implementation, axes=axes, args=args):
+            def f(x, w):
+                out = nvfp4.nvfp4_matmul(x, w, key, implementation=implementation)
+                return jnp.sum(out * g)
+
+            return jax.vmap(jax.value_and_grad(f, argnums=(0, 1)), in_axes=axes)(*args)
+
+        jax.tree.map(np.testing.assert_array_equal, batched("jax"), batched("emulated"))
+
 
 def test_many_blocks_match_the_reference_to_float32_rounding():
     """Several blocks per contraction (and a 3-D input): the same quantized operands, their
