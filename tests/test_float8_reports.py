@@ -261,3 +261,24 @@ def test_advised_scale_trains_without_the_skips_the_default_scale_makes():
     assert settled / 4 <= advised < settled
     # And at the advised scale the debugger's verdict agrees: nothing overflows.
     assert jmp.debug_precision(loss_fn, params, x, y, loss_scale=advised).origin is None
+
+
+def test_a_head_in_no_module_on_no_named_input_is_told_to_take_a_name_scope():
+    """A matmul outside any module, on positional arguments (`lambda w, x: x @ w`), has no path
+    for `fp8_exclude` to match: the warning says to give it one, and that name keeps it in
+    bfloat16."""
+
+    def head(w, x):
+        return x @ w
+
+    def named(w, x):
+        with jax.named_scope("head"):
+            return x @ w
+
+    w, x = jnp.ones((32, 32)), jnp.ones((16, 32))
+    with pytest.warns(PrecisionWarning, match=r"\(top level\).*jax.named_scope\('head'\)"):
+        jmp.autocast(head, "mixed_float8")(w, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)
+        counts = jmp.precision_report(jmp.autocast(named, "mixed_float8"), w, x).counts
+    assert counts["dot_general"] == {"bfloat16": 1}

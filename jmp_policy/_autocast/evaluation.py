@@ -300,6 +300,10 @@ class _Evaluation:
                     "'mixed_bfloat16'}} (eqx.mixed_precision), or, under autocast, a "
                     "`jax.named_scope('head')` around it (fp8_exclude matches name scopes)"
                 )
+            elif where == TOP_LEVEL:  # in no module, on no named input: no path to match
+                keep_out = (
+                    "a `jax.named_scope('head')` around it (fp8_exclude matches name scopes)"
+                )
             else:
                 name = re.escape(where.rsplit("/", 1)[-1])
                 keep_out = (
