@@ -365,6 +365,17 @@ def test_the_recipe_is_checked_where_it_is_given():
     f = jmp.autocast(lambda w, x: x @ w, "mixed_nvfp4", fp8_scaling=RECIPE)
     with pytest.raises(ValueError, match="fp8_state"):
         f(jnp.ones((16, 16)), jnp.ones((16, 16)))
+    # The next key is written as `next - params`: `update` needs the parameters.
+    tree = {
+        "w": jnp.ones((16, 16)),
+        "fp8_state": f.init_fp8_state(jnp.ones((16, 16)), jnp.ones((16, 16))),
+    }
+    grads = jax.grad(lambda t: jnp.sum(f(t["w"], jnp.ones((16, 16)), fp8_state=t["fp8_state"])))(
+        tree
+    )
+    tx = jmp.loss_scaling(optax.sgd(0.1), jmp.NoOpLossScale())
+    with pytest.raises(ValueError, match="nvfp4.Recipe.*`tx.update\\(grads, opt_state, params\\)`"):
+        tx.update(grads, tx.init(tree))
 
 
 @pytest.mark.filterwarnings("ignore:jmp_policy.*last matmul before the output")

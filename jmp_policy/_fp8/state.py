@@ -182,8 +182,8 @@ def written(updates: Any, grads: tuple[list, Any], params: Any, applied: jax.Arr
     if params is None:
         raise ValueError(
             "Expected `params` in `update` of a loss_scaling optimizer whose gradients hold "
-            "float8 delayed-scaling state (mixed_float8 with a DelayedScaling recipe): the "
-            "state's gradient is its next value, written as `next - params`. Call "
+            "matmul state (mixed_float8 with a DelayedScaling recipe, or mixed_nvfp4 with an "
+            "nvfp4.Recipe): the next state is written as `next - params`. Call "
             "`tx.update(grads, opt_state, params)`."
         )
     param_leaves = jax.tree.flatten(params, is_leaf=_state_or_none)[0]
