@@ -301,9 +301,7 @@ class _Evaluation:
                     "`jax.named_scope('head')` around it (fp8_exclude matches name scopes)"
                 )
             elif where == TOP_LEVEL:  # in no module, on no named input: no path to match
-                keep_out = (
-                    "a `jax.named_scope('head')` around it (fp8_exclude matches name scopes)"
-                )
+                keep_out = "a `jax.named_scope('head')` around it (fp8_exclude matches name scopes)"
             else:
                 name = re.escape(where.rsplit("/", 1)[-1])
                 keep_out = (
