@@ -44,6 +44,8 @@ VARIANTS = {
                      "mixed_nvfp4", nvfp4.FORWARD_ONLY, (*EXCLUDE, LAST_BLOCK)),
     "first_block": ("the whole recipe, the first block in bfloat16 instead of the last",
                     "mixed_nvfp4", nvfp4.Recipe(), (*EXCLUDE, "Block_0")),
+    "mlps_only": ("the whole recipe on the MLPs only (attention's projections in bfloat16)",
+                  "mixed_nvfp4", nvfp4.Recipe(), (*EXCLUDE, "MultiHeadDotProductAttention_0")),
     "policy": ("'mixed_nvfp4' without the recipe (forward only, attention in NVFP4 too)",
                "mixed_nvfp4", "tensorwise", EXCLUDE),
 }  # fmt: skip
