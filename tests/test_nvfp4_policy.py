@@ -351,6 +351,7 @@ def _called_gemms(module: str) -> int:
     return count("main")
 
 
+@pytest.mark.filterwarnings("ignore:jmp_policy.*last matmul before the output")
 def test_the_recipe_is_checked_where_it_is_given():
     with pytest.raises(ValueError, match="mixed_nvfp4"):
         jmp.autocast(lambda a: a, "mixed_bfloat16", fp8_scaling=RECIPE)
