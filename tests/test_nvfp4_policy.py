@@ -406,3 +406,23 @@ def test_a_scans_layers_each_get_their_own_key_and_each_advances():
     for i in range(3):
         layer = jax.tree.map(lambda a: a[i], stacked)  # noqa: B023
         np.testing.assert_array_equal(written.key[i], nvfp4.advanced(layer).key)
+
+
+def test_the_last_block_stays_in_bfloat16_by_an_override():
+    """The recipe's bfloat16 layers as the Linen policy's overrides: the last block's matmuls in
+    bfloat16, with no state; the first block's six in NVFP4."""
+
+    class TwoBlocks(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(24, 32)(tokens)
+            x = Block(name="Block_1")(Block(name="Block_0")(x))
+            return nn.Dense(24, name="head")(x)
+
+    x, y = _tokens()
+    overrides = {**jmp.linen.NORMS_IN_FLOAT32, "Block_1": "mixed_bfloat16"}
+    model = jmp.linen.mixed_precision(TwoBlocks(), "mixed_nvfp4", overrides, fp8_scaling=RECIPE)
+    variables = model.init(jax.random.key(0), x)
+    assert list(variables["fp8_state"]) == ["Block_0"]
+    report = jmp.precision_report(jax.grad(lambda v: _xent(model.apply(v, x), y)), variables)
+    assert report.counts["dot_general"]["nvfp4"] == 3 * 6  # 3 * 12 without the override
