@@ -426,3 +426,34 @@ def test_the_last_block_stays_in_bfloat16_by_an_override():
     assert list(variables["fp8_state"]) == ["Block_0"]
     report = jmp.precision_report(jax.grad(lambda v: _xent(model.apply(v, x), y)), variables)
     assert report.counts["dot_general"]["nvfp4"] == 3 * 6  # 3 * 12 without the override
+
+
+def test_linen_nn_scan_layers_each_draw_from_their_own_key():
+    """Under `nn.scan` (`variable_axes={"params": 0, "fp8_state": 0}`, the `"params"` RNG split):
+    each scanned layer's key comes from its own split of the init RNG, so no two draw alike;
+    the parameters are the ones the model makes without the policy."""
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.Dense(32)(jax.nn.relu(nn.Dense(64)(x))), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scanned = nn.scan(
+                Layer,
+                variable_axes={"params": 0, "fp8_state": 0},
+                split_rngs={"params": True},
+                length=3,
+            )
+            return nn.Dense(16, name="head")(scanned()(x, None)[0])
+
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+    model = jmp.linen.mixed_precision(Stack(), "mixed_nvfp4", fp8_scaling=RECIPE)
+    variables = model.init(jax.random.key(0), x)
+    states = jax.tree.leaves(variables["fp8_state"], is_leaf=_is_state)
+    keys = {tuple(k) for s in states for k in np.asarray(s.key)}
+    assert len(states) == 2 and len(keys) == 6  # 2 layers x 3 steps of the scan
+    own = Stack().init(jax.random.key(0), x)["params"]
+    jax.tree.map(np.testing.assert_array_equal, variables["params"], own)

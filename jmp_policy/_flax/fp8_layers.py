@@ -4,7 +4,8 @@ takes, holding its matmul's state as model state (`_fp8_state`): in Linen a vari
 `"fp8_state"` collection, made at `init`; in NNX an `Fp8State` (an `nnx.Param`, so `nnx.grad`
 and `nnx.Optimizer` see it) of a submodule. A matmul whose sizes the format's GEMM does not
 take runs as `lax.dot_general` and leaves its state as it is. NVFP4's state is the key of the
-layer's draws, from the recipe's seed and the layer's module path."""
+layer's draws, from the recipe's seed and (Linen) the layer's `"params"` RNG or (NNX) its module
+path."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 from flax import nnx
+from flax.core.scope import LazyRng
 from jax import lax
 
 from jmp_policy import nvfp4
@@ -82,13 +84,23 @@ class LinenDelayedDot:
                     "Make the variables with this wrapper's `init`, and pass them all to "
                     "`apply` (and to `jax.grad`: the collection's gradient is its next value)."
                 )
-            path = tuple(module.scope.path) if module.scope is not None else ()
-            return module.variable(FP8_STATE, "matmul", _first_state, self.recipe, path).value
+            return module.variable(FP8_STATE, "matmul", self._first_state).value
 
         return _dot(
             lhs, rhs, dimension_numbers, state, self.recipe, precision, preferred_element_type,
             kwargs,
         )  # fmt: skip
+
+    def _first_state(self) -> object:
+        """At `init`: NVFP4's key from the layer's `"params"` RNG (split per layer by `nn.scan`
+        and `nn.vmap` with `split_rngs={"params": True}`, as its parameters are), with the
+        recipe's seed folded in; else as `_first_state`. The RNG is read, not drawn from
+        (`make_rng` would count a draw, and the layer's parameters would change)."""
+        scope = self.module.scope
+        if isinstance(self.recipe, nvfp4.Recipe) and scope is not None and scope.has_rng("params"):
+            rng = LazyRng.create(scope.rngs["params"], "jmp_policy.nvfp4").as_jax_rng()
+            return fresh_state(self.recipe, jax.random.fold_in(rng, self.recipe.seed))
+        return _first_state(self.recipe, tuple(scope.path) if scope is not None else ())
 
 
 class Fp8State(nnx.Param):
