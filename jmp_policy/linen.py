@@ -119,7 +119,7 @@ class MixedPrecisionModule:
             delayed = None
             if self.fp8_recipe is not None:
                 recipe = self.fp8_recipe
-                delayed = lambda _: LinenDelayedDot(module, recipe)  # noqa: E731
+                delayed = lambda _path, _module: LinenDelayedDot(module, recipe)  # noqa: E731
             if record is not None:
                 # A recording pass (init, or learning the module paths) only
                 # needs the structure: it runs the module as written, except that

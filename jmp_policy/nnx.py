@@ -27,7 +27,7 @@ from jmp_policy._core.naming import module_path
 from jmp_policy._core.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy._core.pytree import ByEquality, signature
 from jmp_policy._core.tracing import traced_once
-from jmp_policy._flax.fp8_layers import NnxDelayedDot, layer_recipe
+from jmp_policy._flax.fp8_layers import NnxDelayedDot, layer_recipe, stacked_shape
 from jmp_policy._flax.layers import (
     NNX_NORMS,
     attention_with_float32_softmax,
@@ -264,7 +264,15 @@ def mixed_precision(
     reduce_dtype = matmul.check_reduce_dtype(reduce_dtype)
     accumulate_dtype = matmul.check_accumulate_dtype(accumulate_dtype)
     recipe = layer_recipe(fp8_scaling, policy)
-    delayed = None if recipe is None else (lambda path: NnxDelayedDot(recipe, path))
+    delayed = None
+    if recipe is not None:
+        layer_recipe_ = recipe  # what the closure takes: never None
+
+        def stacked_dot(path: tuple[str, ...], module: nnx.Module) -> NnxDelayedDot:
+            return NnxDelayedDot(layer_recipe_, path, stacked_shape(module))
+
+        delayed = stacked_dot
+
     modules = {
         tuple(str(p) for p in path): node
         for path, node in nnx.iter_graph(model)

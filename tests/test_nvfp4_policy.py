@@ -457,3 +457,62 @@ def test_linen_nn_scan_layers_each_draw_from_their_own_key():
     assert len(states) == 2 and len(keys) == 6  # 2 layers x 3 steps of the scan
     own = Stack().init(jax.random.key(0), x)["params"]
     jax.tree.map(np.testing.assert_array_equal, variables["params"], own)
+
+
+class _NnxMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(32, 64, rngs=rngs)
+        self.down = nnx.Linear(64, 32, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.relu(self.up(x)))
+
+
+class _NnxStack(nnx.Module):
+    """Layers made under `nnx.vmap` and run under `nnx.scan`, as Flax's NNX guides stack them."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return _NnxMLP(rngs)
+
+        self.layers = make(rngs)
+        self.head = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, layer):
+            return layer(x)
+
+        return self.head(body(x, self.layers))
+
+
+@pytest.mark.parametrize("policy", ["mixed_nvfp4", "mixed_float8"])
+def test_nnx_layers_stacked_by_vmap_and_run_by_scan_take_a_state_per_layer(policy):
+    """Before, the state was one per module whatever its kernel's leading axes, and `nnx.scan`
+    failed to slice it (IndexError), for float8's delayed scaling too."""
+    scaling = RECIPE if policy == "mixed_nvfp4" else "delayed"
+    model = jmp.nnx.mixed_precision(_NnxStack(nnx.Rngs(0)), policy, fp8_scaling=scaling)
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+    state = nnx.state(model.layers.up.dot_general)
+    leading = {leaf.shape[0] for leaf in jax.tree.leaves(state)}
+    assert leading == {3}  # each leaf stacked over the 3 layers
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graphdef, params)(x).astype(jnp.float32) ** 2)
+
+    tx = jmp.loss_scaling(optax.sgd(1e-3), jmp.NoOpLossScale())
+    updates, _ = tx.update(jax.jit(jax.grad(loss))(params), tx.init(params), params)
+    written = nnx.merge(graphdef, optax.apply_updates(params, updates))
+    stacked = written.layers.up.dot_general.state.get_value()
+    if policy == "mixed_nvfp4":
+        old = model.layers.up.dot_general.state.get_value()
+        assert len({tuple(k) for k in np.asarray(old.key)}) == 3  # no two layers draw alike
+        for i in range(3):
+            layer = jax.tree.map(lambda a: a[i], old)  # noqa: B023
+            np.testing.assert_array_equal(stacked.key[i], nvfp4.advanced(layer).key)
+    else:  # each layer's input amax, its own
+        amaxes = np.asarray(stacked.lhs.amax_history[:, 0])
+        assert np.all(amaxes > 0) and len(set(amaxes.tolist())) == 3

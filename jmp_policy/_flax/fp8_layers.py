@@ -9,11 +9,14 @@ path."""
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.core.scope import LazyRng
 from jax import lax
@@ -48,13 +51,39 @@ def _dot(lhs, rhs, dimension_numbers, state, recipe, precision, preferred, kwarg
     return state_dot_general(lhs, rhs, dimension_numbers, state(), recipe, out_dtype=preferred)
 
 
-def _first_state(recipe: Recipe, path: tuple[str, ...]) -> object:
+def _first_state(recipe: Recipe, path: tuple[str, ...]) -> Any:
     """A layer's first state: NVFP4's key folded from the recipe's seed by the layer's module
     path (the same in every process: `zlib.crc32`, not Python's salted hash)."""
     if not isinstance(recipe, nvfp4.Recipe):
         return fresh_state(recipe)
     where = zlib.crc32("/".join(path).encode())
     return fresh_state(recipe, jax.random.fold_in(jax.random.key(recipe.seed), where))
+
+
+def _stacked_first_state(recipe: Recipe, path: tuple[str, ...], stacked: tuple[int, ...]) -> Any:
+    """`_first_state` stacked over `stacked` leading axes: NVFP4's keys split over them (no two
+    layers of a stack draw alike), float8's the same for each."""
+    first = _first_state(recipe, path)
+    if not stacked:
+        return first
+    if isinstance(recipe, nvfp4.Recipe):
+        keys = jax.random.split(first.random_key(), math.prod(stacked))
+        states = jax.vmap(lambda k: fresh_state(recipe, k))(keys)
+        return jax.tree.map(lambda x: x.reshape(*stacked, *x.shape[1:]), states)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (*stacked, *x.shape)).copy(), first)
+
+
+def stacked_shape(module: Any) -> tuple[int, ...]:
+    """The leading axes an NNX `Linear`/`LinearGeneral`'s kernel has beyond its own (layers
+    made under `nnx.vmap`, run one at a time under `nnx.scan`); () for any other module."""
+    if isinstance(module, nnx.LinearGeneral):
+        own = len(module.in_features) + len(module.out_features) + len(module.batch_axis)
+    elif isinstance(module, nnx.Linear):
+        own = 2
+    else:
+        return ()
+    shape = np.shape(module.kernel.get_value())
+    return tuple(shape[: len(shape) - own])
 
 
 def _format(recipe: Recipe) -> str:
@@ -111,12 +140,14 @@ class Fp8State(nnx.Param):
 
 class NnxDelayedDot(nnx.Module):
     """The `dot_general` `nnx.mixed_precision` gives a float8 `Linear`/`LinearGeneral` under a
-    `DelayedScaling` recipe: a submodule holding the matmul's `Fp8State`."""
+    `DelayedScaling` recipe (an NVFP4 one under `nvfp4.Recipe`): a submodule holding the
+    matmul's `Fp8State`, stacked like the layer's kernel where the layer is (`stacked_shape`:
+    layers made under `nnx.vmap` and run under `nnx.scan` take one state per layer)."""
 
-    def __init__(self, recipe: Recipe, path: tuple[str, ...] = ()):
+    def __init__(self, recipe: Recipe, path: tuple[str, ...] = (), stacked: tuple[int, ...] = ()):
         self.recipe = recipe
         self.fmt = _format(recipe)
-        self.state = Fp8State(_first_state(recipe, path))
+        self.state = Fp8State(_stacked_first_state(recipe, path, stacked))
 
     def __call__(
         self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs

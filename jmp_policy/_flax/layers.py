@@ -90,7 +90,7 @@ def fp8_dot_for(
     module: Any,
     policy: Policy,
     path: tuple[str, ...],
-    delayed: Callable[[tuple[str, ...]], Any] | None = None,
+    delayed: Callable[[tuple[str, ...], Any], Any] | None = None,
 ) -> Any:
     """The `dot_general` a layer takes under `policy`: float8's (`Fp8DotGeneral`, one per
     format; with `delayed`, what it makes: the layer's delayed-scaling dot, `_fp8_layers`)
@@ -106,7 +106,7 @@ def fp8_dot_for(
     ours = any(current is dot for dot in _POLICY_FP8_DOTS.values()) or is_delayed_dot(current)
     if fp8 and (current in (None, jax.lax.dot_general) or ours):
         if delayed is not None:
-            return None if is_delayed_dot(current) else delayed(path)
+            return None if is_delayed_dot(current) else delayed(path, module)
         return _POLICY_FP8_DOTS[float8_format(policy.compute_dtype)]
     if not fp8 and ours:
         return jax.lax.dot_general
