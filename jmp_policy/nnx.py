@@ -266,10 +266,10 @@ def mixed_precision(
     recipe = layer_recipe(fp8_scaling, policy)
     delayed = None
     if recipe is not None:
-        layer_recipe_ = recipe  # what the closure takes: never None
+        state_recipe = recipe  # what the closure takes: never None
 
         def stacked_dot(path: tuple[str, ...], module: nnx.Module) -> NnxDelayedDot:
-            return NnxDelayedDot(layer_recipe_, path, stacked_shape(module))
+            return NnxDelayedDot(state_recipe, path, stacked_shape(module))
 
         delayed = stacked_dot
 
