@@ -152,12 +152,13 @@ class _Autocast:
             _BUILDING.depth -= 1
         out_tree = jax.tree.structure(out_shape)
         rules, cast_inputs = self._rules, self._cast_inputs
-        # `cast_at_use`: the traced leaves of the first argument are the weights; NVFP4's
-        # recipe tells a layer's weight from a float32 input by them (`ops._weight_side`).
+        # `cast_at_use` (its weights in float32): the traced leaves of the first argument are
+        # the weights; NVFP4's recipe tells a layer's weight from a float32 input by them
+        # (`ops._weight_side`).
         n_weights = 0
         recipe = self._recipe
-        weights_named = rules.reduce or isinstance(recipe, nvfp4.Recipe)
-        if (rules.at_use or weights_named) and in_tree.children()[0].children():
+        weights_named = (rules.at_use and rules.reduce) or isinstance(recipe, nvfp4.Recipe)
+        if weights_named and in_tree.children()[0].children():
             first = in_tree.children()[0].children()[0].num_leaves
             n_weights = sum(isinstance(s, jax.ShapeDtypeStruct) for s in specs[:first])
 
@@ -193,7 +194,7 @@ class _Autocast:
                 sites = Sites(recipe, jax.tree.unflatten(state_tree, state))
             keeps = _rules.kept_for_backward if checkpointed else None
             ev = _Evaluation(rules, keeps=keeps, sites=sites, transcendentals=transcendentals)
-            for weight in flat[:n_weights] if weights_named else ():
+            for weight in flat[:n_weights]:
                 ev.add_weight(weight)
             ev.name_inputs(flat[: len(input_names)], input_names)
             try:
