@@ -152,6 +152,14 @@ def eligible(x_shape: tuple[int, ...], axes: tuple[int, ...], mode: str) -> bool
     return k > 0 and k % _config(mode).block_size == 0
 
 
+def check_implementation(implementation: str | None) -> None:
+    """Raises a ValueError naming `implementation` unless it is one of `IMPLEMENTATIONS`."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"Expected one of {IMPLEMENTATIONS} for `implementation`, got {implementation!r}."
+        )
+
+
 @functools.cache
 def hardware_path() -> bool:
     """Whether this process's default device multiplies block-scaled formats in its tensor
@@ -339,10 +347,7 @@ def block_scaled_dot_general(
       True
     """
     _config(mode)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"Expected one of {IMPLEMENTATIONS} for `implementation`, got {implementation!r}."
-        )
+    check_implementation(implementation)
     (lc, rc), (lb, rb) = dimension_numbers
     dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
     for name, x, axes in (("lhs", lhs, dn[0][0]), ("rhs", rhs, dn[0][1])):

@@ -47,7 +47,8 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from jmp_policy._core.pytree import register_state
-from jmp_policy.block_scaled import IMPLEMENTATIONS, SCOPE, hardware_path
+from jmp_policy.block_scaled import SCOPE, check_implementation, hardware_path
+from jmp_policy.matmul import _free_axes as _free
 
 BLOCK = 16
 """Values per block scale, and the side of a weight's tile and of the Hadamard transform."""
@@ -405,10 +406,7 @@ def nvfp4_matmul(
         raise TypeError(
             f"Expected a jmp_policy.nvfp4.Recipe for `recipe`, got {type(recipe).__name__}."
         )
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"Expected one of {IMPLEMENTATIONS} for `implementation`, got {implementation!r}."
-        )
+    check_implementation(implementation)
     if np.ndim(w) != 2 or np.ndim(x) < 1 or np.shape(x)[-1] != np.shape(w)[0]:
         raise ValueError(
             f"Expected `x` of shape (..., K) and `w` of shape (K, M), got {np.shape(x)} and "
@@ -433,10 +431,6 @@ def _sides(dimension_numbers, weight: str) -> tuple[tuple, tuple]:
     """`((activation's contracted axes), (weight's))`, paired in order."""
     (lc, rc), _ = dimension_numbers
     return (tuple(lc), tuple(rc)) if weight == "rhs" else (tuple(rc), tuple(lc))
-
-
-def _free(ndim: int, contracted: tuple) -> tuple:
-    return tuple(d for d in range(ndim) if d not in contracted)
 
 
 def linear_ineligible(
@@ -488,10 +482,7 @@ def linear_dot_general(
     the other the activations (`linear_ineligible` says which shapes it takes), its draws from
     the layer's `state`, whose gradient counts this use (`State`). The result in `out_dtype`
     (default `lhs`'s); gradients in `lhs`'s and `rhs`'s dtypes."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"Expected one of {IMPLEMENTATIONS} for `implementation`, got {implementation!r}."
-        )
+    check_implementation(implementation)
     reason = linear_ineligible(np.shape(lhs), np.shape(rhs), dimension_numbers, recipe, weight)
     if reason is not None:
         raise ValueError(f"linear_dot_general takes a linear layer's matmul: {reason}.")

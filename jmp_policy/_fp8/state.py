@@ -72,7 +72,6 @@ def state_dot_general(
     """One matmul of a stateful recipe with its `state`, whose gradient `written` reads:
     `delayed_dot_general` for a `DelayedScaling`, `nvfp4.linear_dot_general` for NVFP4's."""
     if isinstance(recipe, nvfp4.Recipe):
-        out_dtype = lhs.dtype if out_dtype is None else out_dtype
         return nvfp4.linear_dot_general(
             lhs, rhs, dimension_numbers, state, recipe, out_dtype=out_dtype
         )
