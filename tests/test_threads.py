@@ -116,3 +116,42 @@ def test_naming_changes_no_class_and_no_other_threads_profile_and_puts_back_the_
         sys.setprofile(None)
     assert seen == [None]
     assert not _naming.active()
+
+
+def test_the_debugger_under_cprofile_names_layers_and_leaves_the_profiler_running():
+    """A user profiling their script with cProfile asks the debugger: it names the NNX layers
+    as without the profiler, and the profiler (on Python 3.10 and 3.11 the thread's profile
+    function, an object `sys.setprofile` cannot take back) runs again afterwards and keeps
+    what it measured before."""
+    import cProfile
+    import pstats
+    import sys
+
+    model = _NnxMLP(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def loss(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    expected = [s.layer for s in jmp.debug_precision(loss, state, jnp.ones((2, 8))).layers]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        _before_the_debugger()
+        held = sys.getprofile()
+        layers = [s.layer for s in jmp.debug_precision(loss, state, jnp.ones((2, 8))).layers]
+        assert sys.getprofile() is held  # the profiler's own callback again (None on 3.12+)
+        _after_the_debugger()
+    finally:
+        profiler.disable()
+    assert layers == expected and "_NnxMLP/first" in layers
+    functions = {name for _, _, name in pstats.Stats(profiler).stats}
+    assert {"_before_the_debugger", "_after_the_debugger"} <= functions
+
+
+def _before_the_debugger():
+    return None
+
+
+def _after_the_debugger():
+    return None

@@ -204,10 +204,21 @@ def module_names() -> Iterator[None]:
     try:
         yield
     finally:
-        sys.setprofile(before)
+        _put_back(before)
         while _STATE.stack:  # left by an exception raised through the context
             _STATE.stack.pop().scopes.close()
         _STATE.known = _STATE.stack = None
+
+
+def _put_back(before: Any) -> None:
+    """The thread's profile function as it was: a Python function (or None) by
+    `sys.setprofile`; a C profiler's object (cProfile's on Python 3.10 and 3.11, which
+    `sys.getprofile` returns and `sys.setprofile` cannot take) by its own `enable()`, which
+    installs its callback again and keeps what it measured."""
+    if before is None or callable(before):
+        sys.setprofile(before)
+    else:
+        before.enable()
 
 
 # --- module paths from name stacks ---------------------------------------------------
