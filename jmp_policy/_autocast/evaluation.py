@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Literal
 
 from jmp_policy._autocast.activations import ISLAND, STATISTIC, WEIGHT, kind_of_dtype
+from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import rules as _rules
 from jmp_policy._core.naming import TOP_LEVEL
 from jmp_policy._fp8.state import Sites
@@ -127,26 +129,83 @@ class _KeepingTranscendentals:
 REGION_POLICY_KEEPING_TRANSCENDENTALS = _KeepingTranscendentals()
 
 
+@dataclasses.dataclass(eq=False)
+class Known:
+    """What an evaluation knows of one value of the program: one record per value, held in
+    the evaluation's environment beside the value (`_Evaluation.run`), and shared where a
+    sub-program takes the caller's value itself (an inlined call's body).
+
+    - `kind`: ISLAND or STATISTIC for a float32 value computed so far (`activations`; None:
+      a weight, or an activation by its dtype);
+    - `copy`: the half-precision operand a matmul took for the value, kept for the backward
+      pass (`RESIDUAL`): every matmul that takes the value takes that one;
+    - `name`: a region input's place in the arguments (`out.weight`);
+    - `weight`: a float32 weight (`cast_at_use`); `cast_of`: the float32 weight this 16-bit
+      value is a cast of.
+    """
+
+    kind: str | None = None
+    copy: Any = None
+    name: str | None = None
+    weight: bool = False
+    cast_of: Any = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Frame:
+    """One program being run (`_Evaluation.run`; nested for a sub-program): the current
+    equation's operands with their records, and the records made while it is evaluated for
+    values not yet bound to a variable (its outputs, a body's inputs)."""
+
+    operands: list = dataclasses.field(default_factory=list)
+    made: list = dataclasses.field(default_factory=list)
+
+    def find(self, x: Any) -> Known | None:
+        for pairs in (self.made, self.operands):
+            for value, known in pairs:
+                if value is x:
+                    return known
+        return None
+
+
 class _Records:
-    """What one evaluation has learned of its values (see `_Evaluation`)."""
+    """What one evaluation has learned of its values (see `_Evaluation`): the frames of the
+    programs being run, innermost last, the first holding what is known of the region's
+    inputs before it runs."""
 
     def __init__(self, transcendentals: bool = False) -> None:
         # Whether the region's policy keeps half-precision transcendentals' outputs.
         self.transcendentals = transcendentals
-        self.kinds: dict[int, tuple[Any, str]] = {}
-        self.operands: dict[int, tuple[Any, Any]] = {}
-        self.weights: dict[int, Any] = {}
-        self.downcasts: dict[int, tuple[Any, Any]] = {}
+        self.frames: list[_Frame] = [_Frame()]
         self.open = True
         # Under a float8 or block-scaled policy: (where, format or None) of the last matmul
         # evaluated, in program order; the last before the output is the logits head.
         self.last_matmul: tuple[str, str | None] | None = None
-        self.inputs: dict[int, tuple[Any, str]] = {}  # the region's inputs: their names
+
+    def find(self, x: Any) -> Known | None:
+        """The record of `x`: an operand of an equation being evaluated (at any depth), or a
+        value whose record was made while it is evaluated; None once the region is traced."""
+        if not self.open:
+            return None
+        for frame in reversed(self.frames):
+            known = frame.find(x)
+            if known is not None:
+                return known
+        return None
+
+    def known(self, x: Any) -> Known | None:
+        """The record of `x`, made if there is none (None once the region is traced)."""
+        if not self.open:
+            return None
+        known = self.find(x)
+        if known is None:
+            known = Known()
+            self.frames[-1].made.append((x, known))
+        return known
 
     def close(self) -> None:
         self.open = False
-        for record in (self.kinds, self.operands, self.weights, self.downcasts, self.inputs):
-            record.clear()
+        self.frames = [_Frame()]
 
 
 def _saved_by(policy: Any) -> Callable[[Any], bool]:
@@ -165,17 +224,11 @@ class _Evaluation:
     """One evaluation of a program under `rules` (an autocast region, with its sub-programs):
     what it has learned of the values it computed, passed to every rule.
 
-    - `kinds`: the kind (`jmp_policy._autocast.activations`) of the float32 values computed so far
-      (values not recorded are weights, or activations by dtype);
-    - `operands`: the half-precision operand a matmul took for a value, kept for the
-      backward pass (`RESIDUAL`): every matmul that takes the value takes that one;
-    - `weights` and `downcasts` (`cast_at_use`): the weights, and each 16-bit cast of a
-      weight with the float32 weight it came from.
-
-    JAX values are not hashable, so each record is keyed by `id()` and keeps the value
-    itself: an id is never reused while it is recorded, and a lookup checks identity. Once
-    the region is traced (`close`) nothing more is recorded or found, so a derivative rule
-    JAX traces later reads values by their dtype alone.
+    What it knows of a value is one `Known` record beside it in the environment of the
+    program being run (`run`): rules read and write it through the methods below, by the
+    value (an operand of the equation being evaluated, or one the rule made). Once the region
+    is traced (`close`) nothing more is recorded or found, so a derivative rule JAX traces
+    later reads values by their dtype alone.
 
     `keeps` (None where the region is not `jax.checkpoint`ed: `cast_at_use`, float32):
     whose outputs are named `RESIDUAL` (`_rules.kept_for_backward`; inside the user's own
@@ -232,7 +285,8 @@ class _Evaluation:
                 and records.open
                 and _rules.kept_in_half(eqn.primitive, outs)
             ):
-                records.operands.update({id(o): (o, o) for o in outs})
+                for o in outs:
+                    records.known(o).copy = o  # type: ignore[union-attr]
             return outs
         return [_named(o) for o in outs]
 
@@ -264,7 +318,8 @@ class _Evaluation:
         pass (`RESIDUAL`, one per value); a weight's is cast again there from the weight."""
         if not _is_float(x):
             return x
-        found = self._found(self._records.operands, x)
+        known = self._records.find(x)
+        found = None if known is None else known.copy
         if found is not None and found.dtype == half:
             return found
         copy = _cast(x, half)
@@ -272,20 +327,23 @@ class _Evaluation:
         if not own_choice or self.kind(x) == WEIGHT:
             return copy
         copy = _named(copy)
-        if self._records.open:
-            self._records.operands[id(x)] = (x, copy)
+        known = self._records.known(x)
+        if known is not None:
+            known.copy = copy
         return copy
 
     def name_inputs(self, inputs: Iterable, names: Iterable[str]) -> None:
         """Names the region's inputs by their places in the arguments (`out.weight`)."""
         for x, name in zip(inputs, names, strict=True):
-            self._records.inputs[id(x)] = (x, name)
+            known = self._records.known(x)
+            if known is not None:
+                known.name = name
 
     def note_matmul(self, where: str, fmt: str | None, operands: Iterable) -> None:
         """A matmul at module path `where` evaluated, in `fmt` (None: in 16 bits); outside any
         module (an Equinox layer's) it is named by the input among its `operands`."""
         if where == TOP_LEVEL:
-            named = [n for x in operands if (n := self._found(self._records.inputs, x))]
+            named = [k.name for x in operands if (k := self._records.find(x)) and k.name]
             where = f"the matmul on {named[-1]}" if named else where
         self._records.last_matmul = (where, fmt)
 
@@ -311,13 +369,44 @@ class _Evaluation:
             warn_head_in_low_precision(where, last[1], keep_out)
         self._records.close()
 
-    @staticmethod
-    def _found(record: dict, x: Any) -> Any:
-        found = record.get(id(x))
-        return found[1] if found is not None and found[0] is x else None
+    def run(self, jaxpr: Any, consts: list, args: list, rule: Callable[[Any, list], list]) -> list:
+        """`jaxpr` run equation by equation, `rule(eqn, invals)` giving each one's outputs,
+        with a `Known` record beside each value: an input's is the caller's record of the
+        value it is given (the operand itself in an inlined call, a body's input that
+        `inherit` described), an output's the record its rule made for it (or its operand's,
+        where an equation hands an operand on); the program's outputs' go to the caller."""
+        records = self._records
+        env: dict = {}
+
+        def bind(variables: Iterable, values: Iterable) -> None:
+            for var, value in zip(variables, values, strict=True):
+                if not isinstance(var, _jaxpr.DropVar):
+                    env[var] = (value, records.find(value) or Known())
+
+        def read(var: Any) -> tuple[Any, Known | None]:
+            return (_jaxpr.read_literal(var), None) if isinstance(var, Literal) else env[var]
+
+        bind(jaxpr.constvars, consts)
+        bind(jaxpr.invars, args)
+        frame = _Frame()
+        records.frames.append(frame)
+        try:
+            for eqn in jaxpr.eqns:
+                pairs = [read(v) for v in eqn.invars]
+                frame.operands = [p for p in pairs if p[1] is not None]
+                outs = rule(eqn, [value for value, _ in pairs])
+                bind(eqn.outvars, outs)
+                frame.made.clear()
+            results = [read(v) for v in jaxpr.outvars]
+        finally:
+            records.frames.pop()
+        if records.open:
+            records.frames[-1].made.extend(p for p in results if p[1] is not None)
+        return [value for value, _ in results]
 
     def kind(self, x: Any) -> str:
-        return kind_of_dtype(x.dtype, self._found(self._records.kinds, x))
+        known = self._records.find(x)
+        return kind_of_dtype(x.dtype, None if known is None else known.kind)
 
     def kinds_of(self, values: Iterable) -> list:
         return [self.kind(x) for x in values if _is_float(x)]
@@ -326,7 +415,7 @@ class _Evaluation:
         if self._records.open and kind in (ISLAND, STATISTIC):
             for v in values:
                 if _is_float(v) and v.dtype == _FLOAT32:
-                    self._records.kinds[id(v)] = (v, kind)
+                    self._records.known(v).kind = kind  # type: ignore[union-attr]
 
     def inherit(self, outer: Iterable, inner: Iterable) -> None:
         """A body's inputs (new tracers) have the kinds of the values they stand for."""
@@ -335,20 +424,23 @@ class _Evaluation:
                 self.record([i], self.kind(o))
 
     def is_weight(self, x: Any) -> bool:
-        return self._records.weights.get(id(x)) is x
+        known = self._records.find(x)
+        return known is not None and known.weight
 
     def add_weight(self, x: Any) -> None:
-        if self._records.open:
-            self._records.weights[id(x)] = x
+        known = self._records.known(x)
+        if known is not None:
+            known.weight = True
 
     def downcast(self, x: Any) -> tuple[Any, Any] | None:
         """`(x, float32 weight)` if `x` is a weight's 16-bit cast (`cast_at_use`), else None."""
-        found = self._records.downcasts.get(id(x))
-        return found if found is not None and found[0] is x else None
+        known = self._records.find(x)
+        return None if known is None or known.cast_of is None else (x, known.cast_of)
 
     def add_downcast(self, half: Any, weight: Any) -> None:
-        if self._records.open:
-            self._records.downcasts[id(half)] = (half, weight)
+        known = self._records.known(half)
+        if known is not None:
+            known.cast_of = weight
 
 
 def _named(x: Any) -> Any:

@@ -54,7 +54,7 @@ def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ev: _Evaluation) -> list:
     def rule(eqn: Any, invals: list) -> list:
         return ev.kept(eqn, _eval_equation(ev, eqn, invals))
 
-    return _jaxpr.evaluate(jaxpr, consts, args, rule)
+    return ev.run(jaxpr, consts, args, rule)
 
 
 def _eval_closed(closed: Any, args: list, ev: _Evaluation) -> list:
