@@ -128,9 +128,10 @@ def staged_trace(*trees: Any) -> StagedTrace | None:
     traced = [[x for x in ls if isinstance(x, _StagedTracer)] for ls in leaves]
     if not all(traced):
         return None
-    traces = {id(getattr(x, "_trace", None)) for t in traced for x in t}
-    frame = getattr(getattr(traced[0][0], "_trace", None), "frame", None)
-    if len(traces) != 1 or frame is None or not hasattr(frame, "get_eqns"):
+    trace = getattr(traced[0][0], "_trace", None)
+    one = all(getattr(x, "_trace", None) is trace for t in traced for x in t)
+    frame = getattr(trace, "frame", None)
+    if not one or frame is None or not hasattr(frame, "get_eqns"):
         return None
     return StagedTrace(
         {v: i for i, v in enumerate(frame.invars)},
