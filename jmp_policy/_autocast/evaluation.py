@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import Literal
 
 from jmp_policy._autocast.activations import ISLAND, STATISTIC, WEIGHT, kind_of_dtype
 from jmp_policy._core import jaxpr as _jaxpr
@@ -151,61 +150,17 @@ class Known:
     cast_of: Any = None
 
 
-@dataclasses.dataclass(eq=False)
-class _Frame:
-    """One program being run (`_Evaluation.run`; nested for a sub-program): the current
-    equation's operands with their records, and the records made while it is evaluated for
-    values not yet bound to a variable (its outputs, a body's inputs)."""
-
-    operands: list = dataclasses.field(default_factory=list)
-    made: list = dataclasses.field(default_factory=list)
-
-    def find(self, x: Any) -> Known | None:
-        for pairs in (self.made, self.operands):
-            for value, known in pairs:
-                if value is x:
-                    return known
-        return None
-
-
-class _Records:
-    """What one evaluation has learned of its values (see `_Evaluation`): the frames of the
-    programs being run, innermost last, the first holding what is known of the region's
-    inputs before it runs."""
+class _Records(_jaxpr.Records):
+    """What one evaluation has learned of its values (see `_Evaluation`): a `Known` record
+    per value."""
 
     def __init__(self, transcendentals: bool = False) -> None:
+        super().__init__(Known)
         # Whether the region's policy keeps half-precision transcendentals' outputs.
         self.transcendentals = transcendentals
-        self.frames: list[_Frame] = [_Frame()]
-        self.open = True
         # Under a float8 or block-scaled policy: (where, format or None) of the last matmul
         # evaluated, in program order; the last before the output is the logits head.
         self.last_matmul: tuple[str, str | None] | None = None
-
-    def find(self, x: Any) -> Known | None:
-        """The record of `x`: an operand of an equation being evaluated (at any depth), or a
-        value whose record was made while it is evaluated; None once the region is traced."""
-        if not self.open:
-            return None
-        for frame in reversed(self.frames):
-            known = frame.find(x)
-            if known is not None:
-                return known
-        return None
-
-    def known(self, x: Any) -> Known | None:
-        """The record of `x`, made if there is none (None once the region is traced)."""
-        if not self.open:
-            return None
-        known = self.find(x)
-        if known is None:
-            known = Known()
-            self.frames[-1].made.append((x, known))
-        return known
-
-    def close(self) -> None:
-        self.open = False
-        self.frames = [_Frame()]
 
 
 def _saved_by(policy: Any) -> Callable[[Any], bool]:
@@ -225,10 +180,10 @@ class _Evaluation:
     what it has learned of the values it computed, passed to every rule.
 
     What it knows of a value is one `Known` record beside it in the environment of the
-    program being run (`run`): rules read and write it through the methods below, by the
-    value (an operand of the equation being evaluated, or one the rule made). Once the region
-    is traced (`close`) nothing more is recorded or found, so a derivative rule JAX traces
-    later reads values by their dtype alone.
+    program being run (`run`, `_jaxpr.Records`): rules read and write it through the methods
+    below, by the value (an operand of the equation being evaluated, or one the rule made).
+    Once the region is traced (`close`) nothing more is recorded or found, so a derivative
+    rule JAX traces later reads values by their dtype alone.
 
     `keeps` (None where the region is not `jax.checkpoint`ed: `cast_at_use`, float32):
     whose outputs are named `RESIDUAL` (`_rules.kept_for_backward`; inside the user's own
@@ -286,7 +241,7 @@ class _Evaluation:
                 and _rules.kept_in_half(eqn.primitive, outs)
             ):
                 for o in outs:
-                    records.known(o).copy = o  # type: ignore[union-attr]
+                    records.of(o).copy = o  # type: ignore[union-attr]
             return outs
         return [_named(o) for o in outs]
 
@@ -327,7 +282,7 @@ class _Evaluation:
         if not own_choice or self.kind(x) == WEIGHT:
             return copy
         copy = _named(copy)
-        known = self._records.known(x)
+        known = self._records.of(x)
         if known is not None:
             known.copy = copy
         return copy
@@ -335,7 +290,7 @@ class _Evaluation:
     def name_inputs(self, inputs: Iterable, names: Iterable[str]) -> None:
         """Names the region's inputs by their places in the arguments (`out.weight`)."""
         for x, name in zip(inputs, names, strict=True):
-            known = self._records.known(x)
+            known = self._records.of(x)
             if known is not None:
                 known.name = name
 
@@ -370,39 +325,9 @@ class _Evaluation:
         self._records.close()
 
     def run(self, jaxpr: Any, consts: list, args: list, rule: Callable[[Any, list], list]) -> list:
-        """`jaxpr` run equation by equation, `rule(eqn, invals)` giving each one's outputs,
-        with a `Known` record beside each value: an input's is the caller's record of the
-        value it is given (the operand itself in an inlined call, a body's input that
-        `inherit` described), an output's the record its rule made for it (or its operand's,
-        where an equation hands an operand on); the program's outputs' go to the caller."""
-        records = self._records
-        env: dict = {}
-
-        def bind(variables: Iterable, values: Iterable) -> None:
-            for var, value in zip(variables, values, strict=True):
-                if not isinstance(var, _jaxpr.DropVar):
-                    env[var] = (value, records.find(value) or Known())
-
-        def read(var: Any) -> tuple[Any, Known | None]:
-            return (_jaxpr.read_literal(var), None) if isinstance(var, Literal) else env[var]
-
-        bind(jaxpr.constvars, consts)
-        bind(jaxpr.invars, args)
-        frame = _Frame()
-        records.frames.append(frame)
-        try:
-            for eqn in jaxpr.eqns:
-                pairs = [read(v) for v in eqn.invars]
-                frame.operands = [p for p in pairs if p[1] is not None]
-                outs = rule(eqn, [value for value, _ in pairs])
-                bind(eqn.outvars, outs)
-                frame.made.clear()
-            results = [read(v) for v in jaxpr.outvars]
-        finally:
-            records.frames.pop()
-        if records.open:
-            records.frames[-1].made.extend(p for p in results if p[1] is not None)
-        return [value for value, _ in results]
+        """`jaxpr` run equation by equation (`rule(eqn, invals)` gives each one's outputs),
+        a `Known` record beside each value (`_jaxpr.Records`)."""
+        return _jaxpr.evaluate(jaxpr, consts, args, rule, self._records)
 
     def kind(self, x: Any) -> str:
         known = self._records.find(x)
@@ -415,7 +340,7 @@ class _Evaluation:
         if self._records.open and kind in (ISLAND, STATISTIC):
             for v in values:
                 if _is_float(v) and v.dtype == _FLOAT32:
-                    self._records.known(v).kind = kind  # type: ignore[union-attr]
+                    self._records.of(v).kind = kind  # type: ignore[union-attr]
 
     def inherit(self, outer: Iterable, inner: Iterable) -> None:
         """A body's inputs (new tracers) have the kinds of the values they stand for."""
@@ -428,7 +353,7 @@ class _Evaluation:
         return known is not None and known.weight
 
     def add_weight(self, x: Any) -> None:
-        known = self._records.known(x)
+        known = self._records.of(x)
         if known is not None:
             known.weight = True
 
@@ -438,7 +363,7 @@ class _Evaluation:
         return None if known is None or known.cast_of is None else (x, known.cast_of)
 
     def add_downcast(self, half: Any, weight: Any) -> None:
-        known = self._records.known(half)
+        known = self._records.of(half)
         if known is not None:
             known.cast_of = weight
 

@@ -27,6 +27,7 @@ the installed JAX or absent from it on purpose.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -201,31 +202,111 @@ def read_literal(literal: Any) -> Any:
     return literal.val if dtype is None else np.asarray(literal.val, dtype)
 
 
+@dataclasses.dataclass(eq=False)
+class _Frame:
+    """One program being run by `evaluate` (nested for a sub-program): the current equation's
+    operands with their records, and the records made while it is evaluated for values not
+    yet bound to a variable (its outputs, a body's inputs)."""
+
+    operands: list = dataclasses.field(default_factory=list)
+    made: list = dataclasses.field(default_factory=list)
+
+    def find(self, x: Any) -> Any:
+        for pairs in (self.made, self.operands):
+            for value, record in pairs:
+                if value is x:
+                    return record
+        return None
+
+
+class Records:
+    """What an interpreter knows of each value of the programs it runs: one record per value
+    (made by `new`), held beside the value in `evaluate`'s environment and found by the value
+    itself (`is`; JAX values are not hashable): an operand of an equation being evaluated (at
+    any depth), or a value a rule made a record for. An inlined body's input that is the
+    caller's value shares the caller's record, and a program's outputs hand theirs to the
+    caller, so a record follows its value through calls. `close()` ends it: nothing more is
+    found or made."""
+
+    def __init__(self, new: Callable[[], Any]) -> None:
+        self.new = new
+        # The first frame: what is known before the programs run (their inputs, constants).
+        self.frames = [_Frame()]
+        self.open = True
+
+    def find(self, x: Any) -> Any:
+        if not self.open:
+            return None
+        for frame in reversed(self.frames):
+            record = frame.find(x)
+            if record is not None:
+                return record
+        return None
+
+    def of(self, x: Any) -> Any:
+        """The record of `x`, made if there is none (None once closed)."""
+        if not self.open:
+            return None
+        record = self.find(x)
+        if record is None:
+            record = self.new()
+            self.frames[-1].made.append((x, record))
+        return record
+
+    def close(self) -> None:
+        self.open = False
+        self.frames = [_Frame()]
+
+
 def evaluate(
     jaxpr: Any,
     consts: Sequence[Any],
     args: Sequence[Any],
     rule: Callable[[Any, list], list | None] | None = None,
+    records: Records | None = None,
 ) -> list:
     """Runs `jaxpr` equation by equation: `rule(eqn, invals)` may return the outputs of an
     equation (run its own way); where it returns None (or there is no rule) the equation is
-    bound as it is (`bind`)."""
+    bound as it is (`bind`). With `records`, each value carries its record (`Records`)."""
+    if records is None:
+        records = Records(lambda: None)
+        records.close()
     env: dict = {}
 
-    def read(v: Any) -> Any:
-        return read_literal(v) if isinstance(v, jcore.Literal) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        outs = rule(eqn, invals) if rule is not None else None
-        if outs is None:
-            outs = bind(eqn, invals)
-        for var, value in zip(eqn.outvars, outs, strict=True):
+    def put(variables: Sequence[Any], values: Sequence[Any]) -> None:
+        for var, value in zip(variables, values, strict=True):
             if not isinstance(var, DropVar):
-                env[var] = value
-    return [read(v) for v in jaxpr.outvars]
+                record = records.find(value)
+                env[var] = (value, records.new() if record is None and records.open else record)
+
+    def read(var: Any) -> tuple[Any, Any]:
+        return (read_literal(var), None) if isinstance(var, jcore.Literal) else env[var]
+
+    # A closed program's constants keep one record each while the records are open (a
+    # `scan` body run again, a sub-program called twice: the same arrays).
+    for const in consts if records.open else ():
+        if records.find(const) is None:
+            records.frames[0].made.append((const, records.new()))
+    put(jaxpr.constvars, consts)
+    put(jaxpr.invars, args)
+    frame = _Frame()
+    records.frames.append(frame)
+    try:
+        for eqn in jaxpr.eqns:
+            pairs = [read(v) for v in eqn.invars]
+            frame.operands = [p for p in pairs if p[1] is not None]
+            invals = [value for value, _ in pairs]
+            outs = rule(eqn, invals) if rule is not None else None
+            if outs is None:
+                outs = bind(eqn, invals)
+            put(eqn.outvars, outs)
+            frame.made.clear()
+        results = [read(v) for v in jaxpr.outvars]
+    finally:
+        records.frames.pop()
+    if records.open:
+        records.frames[-1].made.extend(p for p in results if p[1] is not None)
+    return [value for value, _ in results]
 
 
 def evaluate_closed(closed: Any, args: Sequence[Any], rule: Any = None) -> list:

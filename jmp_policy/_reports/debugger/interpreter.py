@@ -4,6 +4,7 @@ host."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,10 @@ from jmp_policy.policy import is_floating_array
 
 
 class _Interpreter:
-    """Runs a jaxpr equation by equation (calls inlined); `_record` sees each operation."""
+    """Runs a jaxpr equation by equation (calls inlined); `_record` sees each operation.
+    `values`: a record per value (`_jaxpr.Records`), where a subclass keeps one."""
+
+    values: _jaxpr.Records | None = None
 
     def run(
         self,
@@ -86,7 +90,7 @@ class _Interpreter:
             mark(eqn.outvars, [(bool(gradient), from_literals)] * len(eqn.outvars))
             return outs
 
-        outs = _jaxpr.evaluate(jaxpr, consts, args, rule)
+        outs = _jaxpr.evaluate(jaxpr, consts, args, rule, self.values)
         self.flags_out = [flags(v) for v in jaxpr.outvars]
         return outs
 
@@ -216,6 +220,13 @@ def _merge_flags(runs: Sequence[Sequence[tuple[bool, bool]]]) -> list[tuple[bool
     return [(any(f[0] for f in fs), all(f[1] for f in fs)) for fs in zip(*runs, strict=True)]
 
 
+@dataclasses.dataclass(eq=False)
+class _Kept:
+    """A value's place among the outputs of `_Collector`'s program (None: not kept yet)."""
+
+    index: int | None = None
+
+
 class _Collector(_Interpreter):
     """Runs the program once under `jax.jit`, keeping what `_Interpreter._record` reads (every
     recorded operation's inputs, outputs and re-run outputs) as outputs of that one program;
@@ -232,7 +243,7 @@ class _Collector(_Interpreter):
         self.records: list = []
         self.output_refs: list = []
         self.kept: list = []
-        self._index: dict[int, int] = {}
+        self.values = _jaxpr.Records(_Kept)  # each value's place in `kept`
         self.trip_counts = trip_counts or {}
         self.pending: dict[tuple, int] = {}  # a while loop's place -> its counter in `kept`
         self._guards: list[tuple[int, int]] = []  # (branch index in `kept`, this branch)
@@ -334,11 +345,14 @@ class _Collector(_Interpreter):
         self.output_refs = [self._keep(o) for o in outs]
 
     def _keep(self, value: Any) -> tuple[bool, Any]:
-        if isinstance(value, jax.Array):  # traced (or a constant): an output of the program
-            if id(value) not in self._index:
-                self._index[id(value)] = len(self.kept)
-                self.kept.append(value)  # kept alive: ids stay unique
-            return True, self._index[id(value)]
+        """`(True, its place in kept)` for a traced value (or a constant): an output of the
+        program, once however often it is read; `(False, value)` for anything else."""
+        if isinstance(value, jax.Array):
+            kept = self.values.of(value)  # type: ignore[union-attr]
+            if kept.index is None:
+                kept.index = len(self.kept)
+                self.kept.append(value)
+            return True, kept.index
         return False, value
 
     def _record(
