@@ -331,3 +331,63 @@ def test_only_the_jaxpr_core_decides_by_a_primitive_name():
             and node.value in names - allowed
         ]
     assert not found, found
+
+
+def test_no_value_is_known_by_its_id():
+    """Nothing in the library keys what it knows of a value by `id()` (an id is reused once its
+    object is gone, and says nothing of what the value is): values carry records
+    (`_jaxpr.Records`), modules are found by identity. The check reads every module's code."""
+    import ast
+    import pathlib
+
+    import jmp_policy
+
+    root = pathlib.Path(jmp_policy.__file__).parent
+    calls = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "id"
+    ]
+    assert calls == []
+
+
+def test_a_record_follows_its_value_into_an_inlined_call_and_back():
+    """`evaluate` with `Records`: a call's body reads the caller's record of the value it is
+    given, and the caller reads the record the body made for what it returns; a program run
+    again (`scan`-like) finds its constants' records; once closed, nothing is found."""
+
+    @jax.jit
+    def inner(y):
+        return jnp.cos(y)
+
+    closed = jax.make_jaxpr(lambda x: inner(jnp.sin(x)) * 2.0)(1.0)
+    records = _jaxpr.Records(dict)
+    read: dict = {}
+
+    def rule(eqn, invals):
+        body = _jaxpr.inlined_body(eqn)
+        if body is not None:
+            return _jaxpr.evaluate(body.jaxpr, body.consts, invals, rule, records)
+        outs = _jaxpr.bind(eqn, invals)
+        read[eqn.primitive.name] = [records.find(x) for x in invals]
+        records.of(outs[0])["made by"] = eqn.primitive.name
+        return outs
+
+    def run(x):
+        return _jaxpr.evaluate(closed.jaxpr, closed.consts, [x], rule, records)
+
+    jax.make_jaxpr(run)(1.0)
+    assert read["cos"] == [{"made by": "sin"}]  # inside the call: the caller's record
+    assert read["mul"][0] == {"made by": "cos"}  # after it: the record the body made
+
+    weights = jnp.arange(3.0)
+    scaled = jax.make_jaxpr(lambda x: x * weights)(jnp.ones(3))
+    assert len(scaled.consts) == 1
+    twice = [
+        (_jaxpr.evaluate(scaled.jaxpr, scaled.consts, [jnp.ones(3)], rule, records), read["mul"])
+        for _ in range(2)
+    ]
+    assert twice[0][1][1] is twice[1][1][1] is not None  # the constant's one record
+    records.close()
+    assert records.find(scaled.consts[0]) is None and records.of(scaled.consts[0]) is None
