@@ -19,7 +19,7 @@ from jmp_policy.autocast import cast_at_use
 eqx = pytest.importorskip("equinox")
 
 INTEGRATIONS = ("linen.mixed_precision", "nnx.mixed_precision", "eqx.mixed_precision", "autocast")
-FLOAT32_LIST = ("exp", "log", "reduce_sum", "scatter-add")
+FLOAT32_LIST = ("exp", "log", "reduce_sum", "scatter-add", "reduce_max")
 
 
 def _head(h, segments):
@@ -96,6 +96,44 @@ def test_the_models_own_log_softmax_sums_and_segment_sums_run_in_float32(integra
         assert by_op.get(op) == {"float32"}, (op, by_op.get(op))
     # (the forward pass's: XLA:CPU widens a bfloat16 weight gradient's matmul, `matmul.py`)
     assert report_of_jaxpr(jax.make_jaxpr(loss)(weights, x, segments)).half_matmul_flop_share == 1
+
+
+def _shifts_before_exp(program) -> list[str]:
+    """The dtype of each `x - max(x)` that an `exp` takes (softmax's and log-softmax's shift),
+    read through casts, in `program` and its sub-programs."""
+    from jmp_policy._core import jaxpr as _jaxpr
+
+    found = []
+
+    def visit(jaxpr):
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        made = {v: e for e in jaxpr.eqns for v in e.outvars}
+        for eqn in jaxpr.eqns:
+            for sub in _jaxpr.sub_programs(eqn):
+                visit(sub)
+            if eqn.primitive.name != "exp":
+                continue
+            source = made.get(eqn.invars[0])
+            while source is not None and source.primitive.name == "convert_element_type":
+                source = made.get(source.invars[0])
+            if source is not None and source.primitive.name == "sub":
+                found.append(np.dtype(compute_dtype(source)).name)
+
+    visit(program)
+    return found
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("integration", INTEGRATIONS)
+def test_softmaxs_shift_by_its_maximum_computes_in_float32(integration, policy):
+    """The shift `x - max(x)` before softmax's and log-softmax's `exp` computes in float32 in
+    every integration, the maximum too (a half-precision shift rounds every logit it moves);
+    the routes agree on it where the program holds no float32 request of the model's."""
+    loss, weights = _loss(integration, jmp.get_policy(policy))
+    x, segments = jnp.ones((4, 16)), jnp.arange(4096) % 8
+    program = jax.make_jaxpr(jax.value_and_grad(loss))(weights, x, segments)
+    shifts = _shifts_before_exp(program)
+    assert len(shifts) >= 3 and set(shifts) == {"float32"}, shifts  # log_softmax, softmax, lse
 
 
 def test_a_float32_list_result_cast_to_integers_is_integers():

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Literal
 
 from jmp_policy._autocast.activations import ISLAND, STATISTIC, WEIGHT, kind_of_dtype
 from jmp_policy._core import jaxpr as _jaxpr
@@ -140,7 +141,10 @@ class Known:
       pass (`RESIDUAL`): every matmul that takes the value takes that one;
     - `name`: a region input's place in the arguments (`out.weight`);
     - `weight`: a float32 weight (`cast_at_use`); `cast_of`: the float32 weight this 16-bit
-      value is a cast of.
+      value is a cast of;
+    - `constant`: computed from the program's constants alone (a fill of zeros, an iota, a
+      table of positions), in whatever dtype: no activation (`WEIGHT`), as a float32 one
+      traced by autocast is.
     """
 
     kind: str | None = None
@@ -148,6 +152,7 @@ class Known:
     name: str | None = None
     weight: bool = False
     cast_of: Any = None
+    constant: bool = False
 
 
 class _Records(_jaxpr.Records):
@@ -331,7 +336,26 @@ class _Evaluation:
 
     def kind(self, x: Any) -> str:
         known = self._records.find(x)
+        if known is not None and known.constant:
+            return WEIGHT
         return kind_of_dtype(x.dtype, None if known is None else known.kind)
+
+    def from_constants(self, eqn: Any, invals: list) -> bool:
+        """Whether `eqn`'s floating operands are all constants (literals, or values computed
+        from them alone; vacuously, for an equation with none: an iota, a cast of integers)."""
+        for var, x in zip(eqn.invars, invals, strict=True):
+            if _is_float(x) and not isinstance(var, Literal):
+                known = self._records.find(x)
+                if known is None or not known.constant:
+                    return False
+        return True
+
+    def mark_constant(self, values: Iterable) -> None:
+        for v in values:
+            if _is_float(v):
+                known = self._records.of(v)
+                if known is not None:
+                    known.constant = True
 
     def kinds_of(self, values: Iterable) -> list:
         return [self.kind(x) for x in values if _is_float(x)]

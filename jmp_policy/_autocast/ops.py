@@ -48,7 +48,8 @@ of `_jaxpr.MATMULS` by their names in the installed JAX (`dot_general`,
 
 DENY = _rules.names_running_in(_rules.FLOAT32)
 """Primitives that run in float32 (torch.amp's "float32" list, as JAX lowers it): exp, log,
-powers and roots, erf, logistic, sums, products and cumulative sums (`_rules.RULES`)."""
+powers and roots, erf, logistic, sums, products and cumulative sums, and maxima and minima over
+an axis (softmax's shift) (`_rules.RULES`)."""
 
 NO_HALF_KERNEL = _rules.names_running_in(_rules.NO_HALF_KERNEL)
 """Primitives that always run in float32: linear-algebra decompositions and FFTs have no

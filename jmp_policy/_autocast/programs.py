@@ -52,7 +52,11 @@ from jmp_policy.matmul import dot_of, mixed
 
 def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ev: _Evaluation) -> list:
     def rule(eqn: Any, invals: list) -> list:
-        return ev.kept(eqn, _eval_equation(ev, eqn, invals))
+        constant = ev.from_constants(eqn, invals)
+        outs = ev.kept(eqn, _eval_equation(ev, eqn, invals))
+        if constant:
+            ev.mark_constant(outs)
+        return outs
 
     return ev.run(jaxpr, consts, args, rule)
 

@@ -136,9 +136,14 @@ _TABLE_BY_NAME: dict[str, Rule] = {
         "reduce_scatter".split(),
         Rule(OPERANDS, kept=True),
     ),
-    # A maximum or minimum: its derivative sums the tangents of the entries that tie for it
-    # and counts them (JAX's rule, in the operand's dtype).
-    **dict.fromkeys("reduce_max reduce_min".split(), Rule(OPERANDS, adds_in_transpose=True)),
+    # A maximum or minimum over an axis: a statistic, in float32 (softmax's and log-softmax's
+    # shift `x - max(x)`, computed on in float32 to the `exp` after it, as the policies do where
+    # the model asks for float32 scores or casts its logits to float32). Its derivative sums
+    # the tangents of the entries that tie for it and counts them.
+    **dict.fromkeys(
+        "reduce_max reduce_min".split(),
+        Rule(FLOAT32, reduction=True, adds_in_transpose=True),
+    ),
     # a selection: its derivative gathers the chosen entries, its transpose scatter-adds them
     **dict.fromkeys(
         "top_k approx_top_k".split(), Rule(OPERANDS, kept=True, adds_in_transpose=True)
