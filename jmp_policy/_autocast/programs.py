@@ -172,6 +172,15 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         out = _cast(wide, half.dtype)
         ev.add_downcast(out, wide)
         return [out]
+    if rule is not None and rule.elementwise and not held:
+        weights = _weight_arithmetic(ev, eqn, invals)
+        if weights is not None:
+            # Arithmetic on weights alone (RMSNorm's `1 + scale`): in float32 on the float32
+            # weights, cast after it, as autocast computes it before it meets an activation.
+            (wide,) = _bind(eqn, weights)
+            out = _cast(wide, eqn.outvars[0].aval.dtype)
+            ev.add_downcast(out, wide)
+            return [out]
     if rule is not None and rule.elementwise:
         shape = eqn.outvars[0].aval.shape
 
@@ -179,8 +188,11 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
             if not _is_float(x) or np.shape(x) == shape or np.ndim(x) != len(shape):
                 return x
             found = ev.downcast(x)
-            if found is not None:
-                return _cast(jnp.broadcast_to(found[1], shape), x.dtype)
+            if found is not None:  # still a weight's cast, broadcast in float32
+                wide = jnp.broadcast_to(found[1], shape)
+                out = _cast(wide, x.dtype)
+                ev.add_downcast(out, wide)
+                return out
             if jnp.finfo(x.dtype).bits == 16:
                 # A 16-bit value broadcast over size-1 axes (`x - logsumexp(x)` in the model's
                 # own code): broadcast in float32, so its gradient, a sum over those axes,
@@ -251,12 +263,40 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
     return outs
 
 
+def _weight_arithmetic(ev: _Evaluation, eqn: Any, invals: list) -> list | None:
+    """`cast_at_use`: the operands of an elementwise `eqn` on weights' 16-bit casts and
+    constants alone (at least one cast), as float32 (each cast's float32 weight, the constants
+    widened); None for any other, and for a cast (the model's own)."""
+    out = eqn.outvars[0].aval if len(eqn.outvars) == 1 else None
+    if out is None or not _is_float(out) or jnp.finfo(out.dtype).bits != 16:
+        return None
+    if eqn.primitive is _jaxpr.CONVERT:
+        return None
+    wide, any_weight = [], False
+    for var, x in zip(eqn.invars, invals, strict=True):
+        if not _is_float(x):
+            wide.append(x)
+            continue
+        found = ev.downcast(x)
+        if found is not None:
+            wide.append(found[1])
+            any_weight = True
+        elif isinstance(var, Literal) or ev.kind(x) == WEIGHT:
+            wide.append(_cast(x, _FLOAT32))
+        else:
+            return None
+    return wide if any_weight else None
+
+
 def _meeting_held(ev: _Evaluation, eqn: Any, invals: list) -> list:
     """`cast_at_use`: an elementwise op on a value held in float32 (`_eval_cast_at_use`), by
     autocast's rule for where half-precision activations meet float32 values
     (`activations.meet`): float32 where a statistic is among its operands (`x / sum(x)`,
     `x * rsqrt(var)`: softmax's quotient and a norm's scaling, and their derivatives, in
-    float32), else the activations' dtype, the held values handed back to it."""
+    float32), else the activations' dtype, the held values handed back to it. A weight's
+    16-bit cast takes part as its float32 weight, as under autocast (a norm's scale multiplies
+    its float32 normalised value in float32)."""
+    invals = [x if (found := ev.downcast(x)) is None else found[1] for x in invals]
     strong = _strong(eqn, [i for i, x in enumerate(invals) if _is_float(x)])
     if not strong:
         outs = _bind(eqn, invals)
