@@ -167,6 +167,11 @@ class _Records(_jaxpr.Records):
         # evaluated, in program order; the last before the output is the logits head.
         self.last_matmul: tuple[str, str | None] | None = None
 
+    def written(self, x: Any) -> Known:
+        """The record of `x` to write to (made if there is none); once the region is traced, a
+        record of its own that nothing reads: nothing more is recorded."""
+        return self.of(x) or Known()
+
 
 def _saved_by(policy: Any) -> Callable[[Any], bool]:
     """Which equations' outputs a `jax.checkpoint` of the user's, with `policy`, saves."""
@@ -246,7 +251,7 @@ class _Evaluation:
                 and _rules.kept_in_half(eqn.primitive, outs)
             ):
                 for o in outs:
-                    records.of(o).copy = o  # type: ignore[union-attr]
+                    records.written(o).copy = o
             return outs
         return [_named(o) for o in outs]
 
@@ -287,17 +292,13 @@ class _Evaluation:
         if not own_choice or self.kind(x) == WEIGHT:
             return copy
         copy = _named(copy)
-        known = self._records.of(x)
-        if known is not None:
-            known.copy = copy
+        self._records.written(x).copy = copy
         return copy
 
     def name_inputs(self, inputs: Iterable, names: Iterable[str]) -> None:
         """Names the region's inputs by their places in the arguments (`out.weight`)."""
         for x, name in zip(inputs, names, strict=True):
-            known = self._records.of(x)
-            if known is not None:
-                known.name = name
+            self._records.written(x).name = name
 
     def note_matmul(self, where: str, fmt: str | None, operands: Iterable) -> None:
         """A matmul at module path `where` evaluated, in `fmt` (None: in 16 bits); outside any
@@ -353,9 +354,7 @@ class _Evaluation:
     def mark_constant(self, values: Iterable) -> None:
         for v in values:
             if _is_float(v):
-                known = self._records.of(v)
-                if known is not None:
-                    known.constant = True
+                self._records.written(v).constant = True
 
     def kinds_of(self, values: Iterable) -> list:
         return [self.kind(x) for x in values if _is_float(x)]
@@ -364,7 +363,7 @@ class _Evaluation:
         if self._records.open and kind in (ISLAND, STATISTIC):
             for v in values:
                 if _is_float(v) and v.dtype == _FLOAT32:
-                    self._records.of(v).kind = kind  # type: ignore[union-attr]
+                    self._records.written(v).kind = kind
 
     def inherit(self, outer: Iterable, inner: Iterable) -> None:
         """A body's inputs (new tracers) have the kinds of the values they stand for."""
@@ -377,9 +376,7 @@ class _Evaluation:
         return known is not None and known.weight
 
     def add_weight(self, x: Any) -> None:
-        known = self._records.of(x)
-        if known is not None:
-            known.weight = True
+        self._records.written(x).weight = True
 
     def downcast(self, x: Any) -> tuple[Any, Any] | None:
         """`(x, float32 weight)` if `x` is a weight's 16-bit cast (`cast_at_use`), else None."""
@@ -387,9 +384,12 @@ class _Evaluation:
         return None if known is None or known.cast_of is None else (x, known.cast_of)
 
     def add_downcast(self, half: Any, weight: Any) -> None:
-        known = self._records.of(half)
-        if known is not None:
-            known.cast_of = weight
+        self._records.written(half).cast_of = weight
+
+    def as_weights(self, values: Iterable) -> list:
+        """`values` with each weight's 16-bit cast (`cast_at_use`) replaced by its float32
+        weight."""
+        return [x if (found := self.downcast(x)) is None else found[1] for x in values]
 
 
 def _named(x: Any) -> Any:

@@ -243,7 +243,7 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         # The float32 list, in the model's own code too (a segment sum, exp, log, a
         # cumulative sum): computed in float32 (a weight's cast from its float32 weight),
         # and held in float32 for the float32 arithmetic that uses it (`_meeting_held`).
-        wide = [x if (found := ev.downcast(x)) is None else found[1] for x in invals]
+        wide = ev.as_weights(invals)
         return _in_float32(ev, eqn, wide, half or _half_among(_avals(eqn.outvars)))
     if held:
         return _meeting_held(ev, eqn, invals)
@@ -296,7 +296,7 @@ def _meeting_held(ev: _Evaluation, eqn: Any, invals: list) -> list:
     float32), else the activations' dtype, the held values handed back to it. A weight's
     16-bit cast takes part as its float32 weight, as under autocast (a norm's scale multiplies
     its float32 normalised value in float32)."""
-    invals = [x if (found := ev.downcast(x)) is None else found[1] for x in invals]
+    invals = ev.as_weights(invals)
     strong = _strong(eqn, [i for i, x in enumerate(invals) if _is_float(x)])
     if not strong:
         outs = _bind(eqn, invals)

@@ -294,7 +294,8 @@ def evaluate(
     try:
         for eqn in jaxpr.eqns:
             pairs = [read(v) for v in eqn.invars]
-            frame.operands = [p for p in pairs if p[1] is not None]
+            if records.open:  # what `find` searches
+                frame.operands = [p for p in pairs if p[1] is not None]
             invals = [value for value, _ in pairs]
             outs = rule(eqn, invals) if rule is not None else None
             if outs is None:
