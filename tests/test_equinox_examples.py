@@ -64,7 +64,7 @@ def _setup(task: str, integration: str, policy: str, seed: int = 0, perturb: flo
     grad = jmp.eqx.filter_value_and_scaled_grad(loss_fn)
 
     @eqx.filter_jit
-    def step(model, opt_state, inputs, targets, key, gain=ONE):
+    def step(model, opt_state, inputs, targets, key, gain):  # always passed: one trace
         value, grads = grad(opt_state, model, inputs, targets, key, gain)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = tx.update(grads, opt_state, params, value=value)
@@ -87,11 +87,12 @@ def _assert_same(a, b):
 def test_example_trains_in_half_precision_and_skips_an_overflow(task, integration):
     model, opt_state, step, (inputs, targets) = _setup(task, integration, "mixed_float16")
     key = jax.random.key(7)
-    jaxpr = eqx.filter_make_jaxpr(step)(model, opt_state, _batch(inputs, 0), targets[0], key)[0]
+    first = (_batch(inputs, 0), targets[0], key, ONE)
+    jaxpr = eqx.filter_make_jaxpr(step)(model, opt_state, *first)[0]
     share = report_of_jaxpr(jaxpr).half_matmul_flop_share
     assert share >= 0.99, f"{task} under {integration}: {share:.1%} of matmul FLOPs in half"
     for i in range(3):
-        model, opt_state, loss = step(model, opt_state, _batch(inputs, i), targets[i], key)
+        model, opt_state, loss = step(model, opt_state, _batch(inputs, i), targets[i], key, ONE)
         assert np.isfinite(float(loss)) and not bool(opt_state.last_step_skipped)
     # A planted overflow: the step is skipped, and nothing it returns has changed.
     new_model, new_state, _ = step(model, opt_state, _batch(inputs, 3), targets[3], key, OVERFLOW)
@@ -111,7 +112,7 @@ def test_the_gpu_program_multiplies_in_16_bits(task, integration):
     arrays, static = eqx.partition((model, opt_state), eqx.is_array)
 
     def of_arrays(arrays, inputs, targets, key):
-        return step(*eqx.combine(arrays, static), inputs, targets, key)
+        return step(*eqx.combine(arrays, static), inputs, targets, key, ONE)
 
     found = cuda_matmuls(
         jax.jit(of_arrays), arrays, _batch(inputs, 0), targets[0], jax.random.key(7)
@@ -147,7 +148,7 @@ def test_dcgan_with_batchnorm_state_trains_and_skips_bit_for_bit(integration):
     grad = jmp.eqx.filter_value_and_scaled_grad(scaled_loss, has_aux=True)
 
     @eqx.filter_jit
-    def step(model, state, opt_state, real, z, gain=ONE):
+    def step(model, state, opt_state, real, z, gain):  # always passed: one trace
         (value, new_state), grads = grad(opt_state, model, state, real, z, gain)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -155,10 +156,10 @@ def test_dcgan_with_batchnorm_state_trains_and_skips_bit_for_bit(integration):
         return eqx.apply_updates(model, updates), new_state, opt_state, value
 
     real, z = ex.real_image_batches(jax.random.key(1), 4)
-    jaxpr = eqx.filter_make_jaxpr(step)(model, state, opt_state, real[0], z[0])[0]
+    jaxpr = eqx.filter_make_jaxpr(step)(model, state, opt_state, real[0], z[0], ONE)[0]
     assert report_of_jaxpr(jaxpr).half_matmul_flop_share >= 0.99
     for i in range(3):
-        model, state, opt_state, loss = step(model, state, opt_state, real[i], z[i])
+        model, state, opt_state, loss = step(model, state, opt_state, real[i], z[i], ONE)
         assert np.isfinite(float(loss)) and not bool(opt_state.last_step_skipped)
     new_model, new_state, new_opt, _ = step(model, state, opt_state, real[3], z[3], OVERFLOW)
     assert bool(new_opt.last_step_skipped)
@@ -179,7 +180,7 @@ def _final_loss(task, integration, policy, seed, perturb=0.0):
     key, losses = jax.random.key(seed + 3), []
     for i in range(STEPS):
         key, sub = jax.random.split(key)
-        model, opt_state, loss = step(model, opt_state, _batch(inputs, i), targets[i], sub)
+        model, opt_state, loss = step(model, opt_state, _batch(inputs, i), targets[i], sub, ONE)
         losses.append(float(loss))
     return float(np.mean(losses[-20:]))
 

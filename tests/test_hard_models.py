@@ -96,7 +96,9 @@ def _setup(model: str, integration: str, policy: str, seed: int = 0, perturb: fl
 
 
 def _trainer(model: str, loss, params, policy: str):
-    """`(step, opt_state)`: `step(params, opt_state, batch, gain)` is the jitted train step."""
+    """`(step, opt_state)`: `step(params, opt_state, batch, gain)` is the jitted train step.
+    `gain` is always passed (a default would be a constant of one trace, and the call that
+    passes `OVERFLOW` a second trace and compile)."""
     scale = jmp.DynamicLossScale(2.0**15) if policy == "mixed_float16" else jmp.NoOpLossScale()
     tx = jmp.loss_scaling(optax.adam(LEARNING_RATE[model]), scale)
 
@@ -104,7 +106,7 @@ def _trainer(model: str, loss, params, policy: str):
         return gain * loss(params, *batch)
 
     @jax.jit
-    def step(params, opt_state, batch, gain=ONE):
+    def step(params, opt_state, batch, gain):
         value, grads = jmp.value_and_scaled_grad(gained)(opt_state, params, gain, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
@@ -172,12 +174,12 @@ def test_trains_in_half_precision_and_skips_an_overflow(model, integration):
     loss, params, data = _setup(model, integration, "mixed_float16")
     step, opt_state = _trainer(model, loss, params, "mixed_float16")
     batch = _batch(data, 0)
-    program = jax.make_jaxpr(step)(params, opt_state, batch)
+    program = jax.make_jaxpr(step)(params, opt_state, batch, ONE)
     share = report_of_jaxpr(program).half_matmul_flop_share
     assert share >= 0.99, f"{model} under {integration}: {share:.1%} of matmul FLOPs in half"
     assert _float32_list_in_half(program) == [], f"{model} under {integration}"
     for i in range(5):
-        params, opt_state, value = step(params, opt_state, _batch(data, i))
+        params, opt_state, value = step(params, opt_state, _batch(data, i), ONE)
         assert np.isfinite(float(value))
     scaling = jmp.scaling.find_loss_scaling_state(opt_state)
     assert int(scaling.applied_steps) >= 3 and not bool(scaling.last_step_skipped)
@@ -214,7 +216,7 @@ def _final_loss(case: str, integration: str, policy: str, seed: int, perturb: fl
     step, opt_state = _trainer(case, loss, params, policy)
     losses = []
     for i in range(STEPS[case]):
-        params, opt_state, value = step(params, opt_state, _batch(data, i))
+        params, opt_state, value = step(params, opt_state, _batch(data, i), ONE)
         losses.append(value)
     return float(np.mean(np.asarray(losses[-WINDOW:])))
 
@@ -256,5 +258,5 @@ def test_the_gpu_program_multiplies_in_16_bits(model, integration, request):
         return
     loss, params, data = _setup(model, integration, "mixed_bfloat16")
     step, opt_state = _trainer(model, loss, params, "mixed_bfloat16")
-    found = cuda_matmuls(step, params, opt_state, _batch(data, 0))
+    found = cuda_matmuls(step, params, opt_state, _batch(data, 0), ONE)
     assert_gpu_matmuls_in_low_precision(found, f"{model} under {integration}")
