@@ -14,6 +14,8 @@ import pytest
 from forced_devices import env_with_devices
 
 SCRIPT = pathlib.Path(__file__).with_name("multidevice_script.py")
+# One worker runs them all (`--dist loadgroup`): the 8-device process starts once.
+pytestmark = pytest.mark.xdist_group("multidevice")
 
 
 @pytest.fixture(scope="module")

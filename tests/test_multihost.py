@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+# One worker runs them all (`--dist loadgroup`): the three launches happen once.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("multihost")]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
