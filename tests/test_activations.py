@@ -340,6 +340,48 @@ def test_nnx_keeps_at_most_0_6x_and_what_its_own_dtype_keeps(policy):
     assert ours <= min(own, 0.6 * full), (ours / full, own / full)
 
 
+def _weight_copies(loss, params) -> list[str]:
+    """The residuals of `jax.grad(loss)` shaped like one of `params`' matrices that the
+    forward pass made (a cast of a weight), not `params` themselves."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    shapes = {leaf.shape for leaf in jax.tree.leaves(params) if leaf.ndim >= 2}
+    return sorted(
+        str(aval)
+        for aval, why in saved_residuals(loss, params)
+        if aval.shape in shapes and "argument" not in why
+    )
+
+
+def test_no_copy_of_a_weight_is_kept_for_the_backward_pass():
+    # Each matmul keeps its float32 weight, the argument itself (under FSDP the device's own
+    # shard), and casts it again in the backward pass (gathered there in 16 bits:
+    # tests/test_matmul.py's collectives), where Flax's own `dtype=` keeps a 16-bit copy of
+    # every weight: gathered whole under FSDP, once per layer.
+    model, tokens, labels, _ = _linen_case("GPT loop")
+    variables = jax.jit(model.init)(jax.random.key(1), tokens)
+    params = variables["params"]
+    flax_own = _linen_case("GPT loop", jnp.bfloat16)[0]
+    with jax.numpy_dtype_promotion("standard"):  # Flax's own model mixes dtypes as written
+        own = _weight_copies(_linen_loss(flax_own.apply, variables, tokens, labels, False), params)
+    assert len(own) >= 4 * 6, own  # q, k, v, out, up, down of every block
+    policy = jmp.linen.mixed_precision(model, "mixed_bfloat16")
+    assert _weight_copies(_linen_loss(policy.apply, variables, tokens, labels, False), params) == []
+    autocast = jmp.autocast(
+        _linen_loss(model.apply, variables, tokens, labels, False), "mixed_bfloat16"
+    )
+    assert _weight_copies(autocast, params) == []
+
+    nnx_model = jmp.nnx.mixed_precision(NNXGPT(64, 32, 4, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+    graph, nnx_params, rest = nnx.split(nnx_model, nnx.Param, ...)
+
+    def nnx_loss(params):
+        logits = nnx.merge(graph, params, rest)(tokens).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    assert _weight_copies(nnx_loss, nnx_params) == []
+
+
 @pytest.mark.parametrize("policy", HALF)
 def test_equinox_example_keeps_at_most_0_6x_and_what_mpx_keeps(policy):
     sys_path_example()
