@@ -250,9 +250,7 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
     if half is not None and _sums_in_transpose(eqn, invals):
         return _adding_in_float32(eqn, invals)
     outs = _bind(eqn, invals)
-    if held:  # a reshape, a slice or a max of a float32 island or statistic is one too
-        ev.record(outs, combined(ev.kinds_of(invals)))
-    elif eqn.primitive is _jaxpr.CONVERT and _is_float(invals[0]) and _is_float(outs[0]):
+    if eqn.primitive is _jaxpr.CONVERT and _is_float(invals[0]) and _is_float(outs[0]):
         bits = jnp.finfo(invals[0].dtype).bits, jnp.finfo(outs[0].dtype).bits
         if ev.is_weight(invals[0]) and invals[0].dtype == _FLOAT32 and bits[1] == 16:
             ev.add_downcast(outs[0], invals[0])
