@@ -346,6 +346,7 @@ def _weight_copies(loss, params) -> list[str]:
     from jax._src.ad_checkpoint import saved_residuals
 
     shapes = {leaf.shape for leaf in jax.tree.leaves(params) if leaf.ndim >= 2}
+    assert shapes, "no weight matrix among the parameters: nothing would be checked"
     return sorted(
         str(aval)
         for aval, why in saved_residuals(loss, params)
