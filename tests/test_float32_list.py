@@ -107,7 +107,7 @@ def _shifts_before_exp(program) -> list[str]:
 
     def visit(jaxpr):
         jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-        made = {v: e for e in jaxpr.eqns for v in e.outvars}
+        made = _jaxpr.producers(jaxpr)
         for eqn in jaxpr.eqns:
             for sub in _jaxpr.sub_programs(eqn):
                 visit(sub)
