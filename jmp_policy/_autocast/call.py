@@ -285,7 +285,7 @@ def _weak(x: Any) -> bool:
 class _Building(threading.local):
     """How many autocast programs this thread is tracing (`_Autocast._build`): an autocast
     function called while another one traces stays one `jit` named by its region, which the
-    outer program leaves as it is (`programs._eval_structural`)."""
+    outer program leaves as it is (`programs._eval_call`)."""
 
     depth = 0
 

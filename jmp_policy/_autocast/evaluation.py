@@ -34,8 +34,8 @@ class _Rules:
     output: np.dtype
     allow: frozenset
     deny: frozenset
-    # With a float8 compute dtype: eligible matmuls run as `fp8_dot_general`
-    # with these (scaling, fmt), and `compute` is bfloat16 for everything else; a
+    # With a float8 compute dtype (the rule set `programs.FLOAT8`): eligible matmuls run as
+    # `fp8_dot_general` with these (scaling, fmt), and `compute` is bfloat16 for everything else; a
     # `DelayedScaling` scaling: as `_fp8_state.delayed_dot_general`, with `_Evaluation.sites`.
     fp8: tuple[Any, str] | None = None
     fp8_exclude: tuple[str, ...] = ()
@@ -43,8 +43,8 @@ class _Rules:
     # the matmul's result in `accumulate` (None: the compute dtype).
     reduce: bool = False
     accumulate: np.dtype | None = None
-    # `cast_at_use`: the program runs as traced, except where a weight's 16-bit cast is used
-    # (`_eval_cast_at_use`).
+    # `cast_at_use` (the rule set `programs.CAST_AT_USE`): the program runs as traced, except
+    # where a weight's 16-bit cast is used (`_eval_cast_at_use`).
     at_use: bool = False
 
     @classmethod

@@ -256,53 +256,59 @@ def _gathering_in_float32(eqn: Any, invals: list) -> list:
     return [_cast(o, invals[0].dtype) for o in outs]
 
 
+def _float8_matmul(ev: _Evaluation, eqn: Any, invals: list) -> list | None:
+    """A float8 or block-scaled policy's rule for `dot_general`: in the policy's format where
+    it can run in it (two floating operands, allowed, eligible, not excluded), else None (the
+    compute dtype, by `_eval_by_rules`). Where it is, it is noted (`note_matmul`: the head
+    left in a low-precision format is reported)."""
+    rules = ev.rules
+    assert rules.fp8 is not None  # the rule set of a float8 policy's region
+    if eqn.primitive.name not in rules.allow or sum(map(_is_float, invals)) != 2:
+        return None
+    lhs, rhs = (ev.operand(x, x.dtype) for x in invals)
+    dimension_numbers = eqn.params["dimension_numbers"]
+    outer = _jaxpr.current_name_stack()
+    where = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
+    scaling, fmt = rules.fp8
+    side = None
+    if isinstance(scaling, nvfp4.Recipe):  # linear layers only: attention in bfloat16
+        side = _weight_side(ev, invals)
+        shapes = (lhs.shape, rhs.shape, dimension_numbers, scaling)
+        low = side is not None and nvfp4.linear_ineligible(*shapes, side) is None
+    else:
+        low = fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, fmt) is None
+    low = low and fp8_excluded_by(where, rules.fp8_exclude) is None
+    fmt_name = (fmt if fmt in MODES else "float8") if low else None
+    ev.note_matmul(module_path(where), fmt_name, invals)
+    if not low:
+        return None
+    with _source_context(eqn):
+        if isinstance(scaling, nvfp4.Recipe) and ev.sites is not None:
+            out = nvfp4.linear_dot_general(
+                lhs, rhs, dimension_numbers, ev.sites.state_for(eqn), scaling,
+                weight=side or "rhs", out_dtype=rules.compute,
+            )  # fmt: skip
+        elif isinstance(scaling, nvfp4.Recipe):  # in a custom derivative: no state
+            out = fp8_dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
+                                  out_dtype=rules.compute)  # fmt: skip
+        elif not isinstance(scaling, DelayedScaling):
+            out = fp8_dot_general(
+                lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling,
+                out_dtype=rules.compute,
+            )  # fmt: skip
+        elif ev.sites is None:  # inside a custom derivative: current scaling
+            out = fp8_dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
+                                  out_dtype=rules.compute)  # fmt: skip
+        else:
+            state = ev.sites.state_for(eqn)
+            out = delayed_dot_general(
+                lhs, rhs, dimension_numbers, state, scaling, out_dtype=rules.compute
+            )
+    return [out]
+
+
 def _eval_by_rules(ev: _Evaluation, eqn: Any, invals: list, floating: list) -> list:
     rules, name = ev.rules, eqn.primitive.name
-    if (
-        rules.fp8
-        and eqn.primitive is _jaxpr.DOT_GENERAL
-        and name in rules.allow
-        and len(floating) == 2
-    ):
-        lhs, rhs = (ev.operand(x, x.dtype) for x in invals)
-        dimension_numbers = eqn.params["dimension_numbers"]
-        outer = _jaxpr.current_name_stack()
-        where = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
-        scaling, fmt = rules.fp8
-        side = None
-        if isinstance(scaling, nvfp4.Recipe):  # linear layers only: attention in bfloat16
-            side = _weight_side(ev, invals)
-            shapes = (lhs.shape, rhs.shape, dimension_numbers, scaling)
-            low = side is not None and nvfp4.linear_ineligible(*shapes, side) is None
-        else:
-            low = fp8_eligible(lhs.shape, rhs.shape, dimension_numbers, fmt) is None
-        low = low and fp8_excluded_by(where, rules.fp8_exclude) is None
-        fmt_name = (fmt if fmt in MODES else "float8") if low else None
-        ev.note_matmul(module_path(where), fmt_name, invals)
-        if low:
-            with _source_context(eqn):
-                if isinstance(scaling, nvfp4.Recipe) and ev.sites is not None:
-                    out = nvfp4.linear_dot_general(
-                        lhs, rhs, dimension_numbers, ev.sites.state_for(eqn), scaling,
-                        weight=side or "rhs", out_dtype=rules.compute,
-                    )  # fmt: skip
-                elif isinstance(scaling, nvfp4.Recipe):  # in a custom derivative: no state
-                    out = fp8_dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
-                                          out_dtype=rules.compute)  # fmt: skip
-                elif not isinstance(scaling, DelayedScaling):
-                    out = fp8_dot_general(
-                        lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling,
-                        out_dtype=rules.compute,
-                    )  # fmt: skip
-                elif ev.sites is None:  # inside a custom derivative: current scaling
-                    out = fp8_dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
-                                          out_dtype=rules.compute)  # fmt: skip
-                else:
-                    state = ev.sites.state_for(eqn)
-                    out = delayed_dot_general(
-                        lhs, rhs, dimension_numbers, state, scaling, out_dtype=rules.compute
-                    )
-            return [out]
     mixed_ok = eqn.primitive in _LAX_MATMULS
     if name in rules.allow and mixed_ok and (rules.reduce or rules.accumulate is not None):
         # Only weights go in as float32 (their gradients made in float32): an activation

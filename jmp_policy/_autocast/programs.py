@@ -1,6 +1,8 @@
-"""How autocast runs a program: equation by equation (`_jaxpr.evaluate`), its sub-programs
-rebuilt with public APIs (calls inlined; `scan`, `while`, `cond` and `jax.checkpoint` with
-autocast bodies; custom derivatives with their rules kept), and `cast_at_use`'s weights."""
+"""How autocast runs a program: equation by equation, by the rule sets at the end of this file
+(`jmp_policy._core.interpreter`): `STRUCTURE` rebuilds sub-programs with public APIs (calls
+inlined; `scan`, `while`, `cond` and `jax.checkpoint` with bodies run by the same rules);
+`AUTOCAST` over it runs every primitive by its rule and keeps custom derivatives' rules;
+`FLOAT8` over that, float8 and block-scaled matmuls; `CAST_AT_USE`, `cast_at_use`'s weights."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from jmp_policy._autocast.evaluation import (
     _cast_like_avals,
     _Evaluation,
     _is_float,
+    _Rules,
     _widest,
 )
 from jmp_policy._autocast.ops import (
@@ -38,6 +41,7 @@ from jmp_policy._autocast.ops import (
     _adding_in_float32,
     _bind,
     _eval_by_rules,
+    _float8_matmul,
     _half_among,
     _in_float32,
     _source_context,
@@ -46,14 +50,17 @@ from jmp_policy._autocast.ops import (
 )
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core import rules as _rules
+from jmp_policy._core.interpreter import RuleSet
 from jmp_policy._reports.census import PrecisionWarning
 from jmp_policy.matmul import dot_of, mixed
 
 
 def _eval_jaxpr(jaxpr: Any, consts: list, args: list, ev: _Evaluation) -> list:
+    rules = rule_set(ev.rules)
+
     def rule(eqn: Any, invals: list) -> list:
         constant = ev.from_constants(eqn, invals)
-        outs = ev.kept(eqn, _eval_equation(ev, eqn, invals))
+        outs = ev.kept(eqn, rules.apply(ev, eqn, invals))
         if constant:
             ev.mark_constant(outs)
         return outs
@@ -90,21 +97,10 @@ def _unknown(ev: _Evaluation, eqn: Any, invals: list) -> list:
     return _as_traced(ev, eqn, invals)
 
 
-def _eval_equation(ev: _Evaluation, eqn: Any, invals: list) -> list:
+def _eval_primitive(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """autocast's default rule: an equation by what its primitive means (`_rules.rule_of`)
+    and the user's `allow` and `deny` lists."""
     rules, name = ev.rules, eqn.primitive.name
-    if eqn.primitive in _jaxpr.STRUCTURAL or _jaxpr.is_call(eqn):
-        return _eval_structural(ev, eqn, invals)
-    if rules.at_use:
-        return _eval_cast_at_use(ev, eqn, invals)
-    if eqn.primitive in _jaxpr.CUSTOM_DERIVATIVES:
-        outs = _eval_custom_derivative(ev, eqn, _cast_like_avals(invals, _avals(eqn.invars)))
-        ev.record(outs, combined(ev.kinds_of(invals)))
-        return outs
-    if name == _jaxpr.SHARD_MAP_NAME:
-        raise NotImplementedError(
-            "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
-            "function instead (shard_map(autocast(f, policy), ...))."
-        )
     if _jaxpr.sub_programs(eqn) or _jaxpr.is_callback(eqn):
         return _as_traced(ev, eqn, invals)  # typed callbacks and opaque sub-programs stay exact
     floating = [i for i, x in enumerate(invals) if _is_float(x)]
@@ -120,6 +116,13 @@ def _eval_equation(ev: _Evaluation, eqn: Any, invals: list) -> list:
     if rule.runs_in == _rules.AS_TRACED:
         return _as_traced(ev, eqn, invals)
     return _eval_by_rules(ev, eqn, invals, floating)
+
+
+def _in_shard_map(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    raise NotImplementedError(
+        "autocast does not rewrite inside shard_map: apply autocast to the per-shard "
+        "function instead (shard_map(autocast(f, policy), ...))."
+    )
 
 
 def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
@@ -327,6 +330,14 @@ def _rewritten(fun: Callable[..., list], args: Sequence[Any], ev: _Evaluation) -
 
 
 def _eval_custom_derivative(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """autocast's rule for custom derivatives: its operands cast back to the dtypes they were
+    traced with, and its outputs recorded as their kinds combined (`_custom_function`)."""
+    outs = _custom_function(ev, eqn, _cast_like_avals(invals, _avals(eqn.invars)))
+    ev.record(outs, combined(ev.kinds_of(invals)))
+    return outs
+
+
+def _custom_function(ev: _Evaluation, eqn: Any, invals: list) -> list:
     """A `jax.custom_jvp`/`jax.custom_vjp` function (`invals` in the dtypes it was traced
     with), as torch.amp runs a custom autograd function: its computation by the rules (its
     matmuls in the compute dtype), and the derivative rule as the user wrote it, on values in
@@ -423,28 +434,20 @@ def _instantiated(cotangent: Any) -> Any:
     return cotangent
 
 
-def _eval_structural(ev: _Evaluation, eqn: Any, invals: list) -> list:
+def _eval_call(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """A call (`jax.jit`, ...): its body inlined, by the same rules; a region of autocast's
+    own (a nested autocast, `full_precision`, `cast_at_use`) is bound as it is."""
+    inner = _jaxpr.inlined_body(eqn)
+    if eqn.params.get("name", "").startswith(_REGION_NAMES):
+        return _bind(eqn, _cast_like_avals(invals, inner.in_avals))
+    if hasattr(inner, "consts"):
+        return _eval_closed(inner, invals, ev)
+    return _eval_jaxpr(inner, [], invals, ev)
+
+
+def _eval_remat(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """The user's `jax.checkpoint` (an open jaxpr without consts), its body by the rules."""
     params = eqn.params
-    if _jaxpr.is_call(eqn):
-        inner = _jaxpr.inlined_body(eqn)
-        if params.get("name", "").startswith(_REGION_NAMES):
-            return _bind(eqn, _cast_like_avals(invals, inner.in_avals))
-        return (
-            _eval_closed(inner, invals, ev)
-            if hasattr(inner, "consts")
-            else _eval_jaxpr(inner, [], invals, ev)
-        )
-    # The loop or branch keeps its place in the name stack (its body's are relative to it).
-    if eqn.primitive is _jaxpr.SCAN:
-        with _source_context(eqn):
-            return _eval_scan(ev, eqn, invals)
-    if eqn.primitive is _jaxpr.WHILE:
-        with _source_context(eqn):
-            return _eval_while(ev, params, invals)
-    if eqn.primitive is _jaxpr.COND:
-        with _source_context(eqn):
-            return _eval_cond(ev, params, invals)
-    # `jax.checkpoint` (`_jaxpr.REMAT`): an open jaxpr without consts.
     inside = ev.within_checkpoint(params["policy"])
     body = functools.partial(_eval_jaxpr, params["jaxpr"], [], ev=inside)
 
@@ -491,6 +494,12 @@ def _follow_weights(ev: _Evaluation, outer: list, inner: list, wide: list) -> li
 
 
 def _eval_scan(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    # The loop keeps its place in the name stack (its body's are relative to it).
+    with _source_context(eqn):
+        return _scan(ev, eqn, invals)
+
+
+def _scan(ev: _Evaluation, eqn: Any, invals: list) -> list:
     params = eqn.params
     n_consts, n_carry = params["num_consts"], params["num_carry"]
     consts, init, xs = (
@@ -562,7 +571,12 @@ def _eval_scan(ev: _Evaluation, eqn: Any, invals: list) -> list:
     return [*carry, *ys]
 
 
-def _eval_while(ev: _Evaluation, params: dict, invals: list) -> list:
+def _eval_while(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    with _source_context(eqn):
+        return _while(ev, eqn.params, invals)
+
+
+def _while(ev: _Evaluation, params: dict, invals: list) -> list:
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
 
@@ -578,7 +592,12 @@ def _eval_while(ev: _Evaluation, params: dict, invals: list) -> list:
     return list(lax.while_loop(cond_fn, body_fn, list(init)))
 
 
-def _eval_cond(ev: _Evaluation, params: dict, invals: list) -> list:
+def _eval_cond(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    with _source_context(eqn):
+        return _cond(ev, eqn.params, invals)
+
+
+def _cond(ev: _Evaluation, params: dict, invals: list) -> list:
     index, operands = invals[0], invals[1:]
     branches = [functools.partial(_eval_closed, b, ev=ev) for b in params["branches"]]
     shapes = [jax.eval_shape(lambda *a, f=f: f(list(a)), *operands) for f in branches]
@@ -598,3 +617,37 @@ def _eval_cond(ev: _Evaluation, params: dict, invals: list) -> list:
         return run
 
     return list(lax.switch(index, [agreeing(f) for f in branches], *operands))
+
+
+STRUCTURE = RuleSet(
+    "autocast's structure",
+    {
+        **dict.fromkeys(_jaxpr.CALLS, _eval_call),
+        _jaxpr.REMAT: _eval_remat,
+        _jaxpr.SCAN: _eval_scan,
+        _jaxpr.WHILE: _eval_while,
+        _jaxpr.COND: _eval_cond,
+    },
+    by_name=dict.fromkeys(_jaxpr.FALLBACK_NAMES, _eval_call),
+)
+"""The base of autocast's rule sets: calls inlined; loops, branches and the user's checkpoints
+rebuilt with public APIs around bodies run by the same rule set."""
+AUTOCAST = STRUCTURE.over(
+    "autocast",
+    dict.fromkeys(_jaxpr.CUSTOM_DERIVATIVES, _eval_custom_derivative),
+    by_name={_jaxpr.SHARD_MAP_NAME: _in_shard_map},
+    default=_eval_primitive,
+)
+"""autocast: every primitive by its rule (`_rules.RULES`) and the user's lists."""
+FLOAT8 = AUTOCAST.over("float8 and block-scaled", {_jaxpr.DOT_GENERAL: _float8_matmul})
+"""A float8 or block-scaled policy: the matmuls that can run in its format (the others, and
+every other operation, as under `AUTOCAST`)."""
+CAST_AT_USE = STRUCTURE.over("cast_at_use", default=_eval_cast_at_use)
+"""`cast_at_use`: the program as traced, but for its weights' casts (`_eval_cast_at_use`)."""
+
+
+def rule_set(rules: _Rules) -> RuleSet:
+    """The rule set a region with `rules` runs its program by."""
+    if rules.at_use:
+        return CAST_AT_USE
+    return FLOAT8 if rules.fp8 else AUTOCAST

@@ -11,8 +11,9 @@ an inf or NaN out of finite inputs. Under a policy, only what the policy runs in
 is judged.
 
 One concept a file: `report` (the report and its advice), `names` (an operation's layer and
-direction), `values` (the statistics of values on the host), `interpreter` (the jaxpr run
-equation by equation, loops unrolled), `run` (`debug_precision`), `in_program` (statistics
+direction), `values` (the statistics of values on the host), `interpreter` (its rule sets
+over the engine's interpreter, `jmp_policy._core.interpreter`: every operation recorded,
+loops unrolled), `run` (`debug_precision`), `in_program` (statistics
 inside a jitted step). Programs are read through `jmp_policy._core.jaxpr`."""
 
 from jmp_policy._reports.debugger.in_program import PrecisionStats, value_and_grad_with_stats

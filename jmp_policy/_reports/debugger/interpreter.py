@@ -1,11 +1,12 @@
-"""The precision debugger's interpreter: a jaxpr run equation by equation (`_jaxpr.evaluate`),
-loops and branches unrolled into the one program that returns every value, replayed on the
-host."""
+"""The precision debugger's rule sets over the engine's interpreter
+(`jmp_policy._core.interpreter`): every operation recorded (`RECORDING`), and with loops and
+branches unrolled (`UNROLLING`) into the one program that returns every value, replayed on the
+host (`_Collector`, `_Host`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from jax.extend import core as jcore
 
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core.compat import eval_jaxpr
+from jmp_policy._core.interpreter import RuleSet
 from jmp_policy._core.overrides import FULL_PRECISION_REGION
 from jmp_policy._reports.debugger.names import _float32_island, _layer_and_direction, _once, _source
 from jmp_policy._reports.debugger.report import NonFiniteOrigin
@@ -22,11 +24,92 @@ from jmp_policy._reports.debugger.values import _Accumulator, _all_finite, _carr
 from jmp_policy.policy import is_floating_array
 
 
+@dataclasses.dataclass(eq=False)
+class _Run:
+    """One program run by the debugger's rules (the `ctx` they are given): the interpreter
+    running it, where it sits (`stack`), whether its inputs carry the pullback's seed
+    (`seeded_run`: which do is marked), and the flags of its variables."""
+
+    interpreter: _Interpreter
+    stack: str
+    seeded_run: bool
+    seeded: set = dataclasses.field(default_factory=set)  # variables carrying the seed
+    constant: set = dataclasses.field(default_factory=set)  # computed from literals alone
+
+    def flags(self, v: Any) -> tuple[bool, bool]:
+        """(carries the pullback's seed, comes from literals alone) of variable `v`."""
+        if isinstance(v, jcore.Literal):
+            return False, True
+        return v in self.seeded, v in self.constant
+
+    def mark(self, variables: Sequence[Any], marks: Iterable[tuple[bool, bool]]) -> None:
+        for v, (seed, const) in zip(variables, marks, strict=True):
+            if seed:
+                self.seeded.add(v)
+            if const:
+                self.constant.add(v)
+
+    def here(self, eqn: Any) -> str:
+        """The name stack of `eqn`: where this program sits, then the equation's own."""
+        own = _once(str(eqn.source_info.name_stack))
+        return "/".join(p for p in (self.stack, own) if p)
+
+    def in_flags(self, eqn: Any) -> list[tuple[bool, bool]]:
+        return [self.flags(v) for v in eqn.invars]
+
+    def structured(self, run: Callable[..., list], eqn: Any, invals: list) -> list:
+        """`eqn`, a loop, branch or call, run by `run(eqn, invals, in_flags, here, seeded)`
+        of the interpreter, its outputs flagged as `interpreter.flags_out` says."""
+        outs = run(eqn, invals, self.in_flags(eqn), self.here(eqn), self.seeded_run)
+        self.mark(eqn.outvars, self.interpreter.flags_out)
+        return outs
+
+
+def _inlined(run: _Run, eqn: Any, invals: list) -> list:
+    """A call, a remat or a custom derivative: its body run in its place, by the same rules."""
+    return run.structured(run.interpreter.inline, eqn, invals)
+
+
+def _recorded(run: _Run, eqn: Any, invals: list) -> list:
+    """Any other operation: bound as it is, and recorded (`_Interpreter._record`)."""
+    in_flags = run.in_flags(eqn)
+    gradient = any(f[0] for f in in_flags) if run.seeded_run else None
+    from_literals = all(f[1] for f in in_flags)
+    outs = _jaxpr.bind(eqn, invals)
+    run.interpreter._record(eqn, run.here(eqn), invals, outs, gradient, from_literals)
+    run.mark(eqn.outvars, [(bool(gradient), from_literals)] * len(eqn.outvars))
+    return outs
+
+
+RECORDING = RuleSet(
+    "the precision debugger",
+    dict.fromkeys([*_jaxpr.CALLS, _jaxpr.REMAT, *_jaxpr.CUSTOM_DERIVATIVES], _inlined),
+    by_name=dict.fromkeys(_jaxpr.FALLBACK_NAMES, _inlined),
+    default=_recorded,
+)
+"""The debugger's rules: every operation recorded with its values, calls (and remats, custom
+derivatives' functions) inlined; a loop or branch is bound whole (`UNROLLING` runs them)."""
+UNROLLING = RECORDING.over(
+    "the precision debugger, loops unrolled",
+    {
+        _jaxpr.SCAN: lambda run, eqn, invals: run.structured(run.interpreter.scan, eqn, invals),
+        _jaxpr.WHILE: lambda run, eqn, invals: run.structured(
+            run.interpreter.while_loop, eqn, invals
+        ),
+        _jaxpr.COND: lambda run, eqn, invals: run.structured(run.interpreter.cond, eqn, invals),
+    },
+)
+"""`RECORDING`, with the operations inside loops and branches recorded one by one
+(`_Collector`)."""
+
+
 class _Interpreter:
-    """Runs a jaxpr equation by equation (calls inlined); `_record` sees each operation.
-    `values`: a record per value (`_jaxpr.Records`), where a subclass keeps one."""
+    """Runs a jaxpr equation by equation by its `rule_set` (calls inlined); `_record` sees
+    each operation. `values`: a record per value (`_jaxpr.Records`), where a subclass keeps
+    one."""
 
     values: _jaxpr.Records | None = None
+    rule_set: RuleSet = RECORDING
 
     def run(
         self,
@@ -47,51 +130,13 @@ class _Interpreter:
         `literal` says which `args` come from literals alone. `self.flags_out` says, for each
         output, (carries the seed, comes from literals alone).
         """
-        seeded: set = set()  # variables that carry the pullback's seed
-        constant: set = set()  # variables computed from literals alone
-
-        def flags(v) -> tuple[bool, bool]:
-            if isinstance(v, jcore.Literal):
-                return False, True
-            return v in seeded, v in constant
-
-        def mark(variables, marks):
-            for v, (seed, const) in zip(variables, marks, strict=True):
-                if seed:
-                    seeded.add(v)
-                if const:
-                    constant.add(v)
-
-        mark(
+        run = _Run(self, stack, cotangent is not None)
+        run.mark(
             jaxpr.invars,
             zip(cotangent or [False] * len(args), literal or [False] * len(args), strict=True),
         )
-
-        def rule(eqn: Any, invals: list) -> list:
-            in_flags = [flags(v) for v in eqn.invars]
-            gradient = any(f[0] for f in in_flags) if cotangent is not None else None
-            from_literals = all(f[1] for f in in_flags)
-            own = _once(str(eqn.source_info.name_stack))
-            here = "/".join(p for p in (stack, own) if p)
-            sub = _jaxpr.inlined_body(eqn)
-            if sub is not None:
-                if eqn.params.get("name") == FULL_PRECISION_REGION:
-                    here = f"{here}/{FULL_PRECISION_REGION}"  # `autocast.full_precision`
-                n = len(getattr(sub, "jaxpr", sub).invars)
-                outs = self.call(sub, invals[:n], in_flags[:n], here, cotangent is not None)
-                mark(eqn.outvars, self.flags_out)
-                return outs
-            structured = self._structured(eqn, invals, in_flags, here, cotangent is not None)
-            if structured is not None:
-                mark(eqn.outvars, self.flags_out)
-                return structured
-            outs = _jaxpr.bind(eqn, invals)
-            self._record(eqn, here, invals, outs, gradient, from_literals)
-            mark(eqn.outvars, [(bool(gradient), from_literals)] * len(eqn.outvars))
-            return outs
-
-        outs = _jaxpr.evaluate(jaxpr, consts, args, rule, self.values)
-        self.flags_out = [flags(v) for v in jaxpr.outvars]
+        outs = self.rule_set.run(run, jaxpr, consts, args, self.values)
+        self.flags_out = [run.flags(v) for v in jaxpr.outvars]
         return outs
 
     def call(
@@ -109,12 +154,14 @@ class _Interpreter:
         cotangent = [f[0] for f in flags] if seeded else None
         return self.run(inner, consts, list(args), here, cotangent, [f[1] for f in flags])
 
-    def _structured(
-        self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool
-    ) -> list | None:
-        """A loop or branch (`scan`, `while`, `cond`) run by the interpreter, its body's operations
-        recorded one by one; None: bound as one operation."""
-        return None
+    def inline(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
+        """A call, a remat or a custom derivative's function, run in place of `eqn`; under
+        `autocast.full_precision`'s region, its operations are named by it."""
+        sub = _jaxpr.inlined_body(eqn)
+        if eqn.params.get("name") == FULL_PRECISION_REGION:
+            here = f"{here}/{FULL_PRECISION_REGION}"
+        n = len(getattr(sub, "jaxpr", sub).invars)
+        return self.call(sub, invals[:n], in_flags[:n], here, seeded)
 
     def _record(
         self,
@@ -238,6 +285,8 @@ class _Collector(_Interpreter):
     as many times as it ran in the program, which a first run with a counter tells
     (`trip_counts`, keyed by where the loop sits; `pending` lists those still unknown)."""
 
+    rule_set = UNROLLING
+
     def __init__(self, acc: _Accumulator, trip_counts: dict | None = None):
         self.acc = acc
         self.records: list = []
@@ -256,61 +305,63 @@ class _Collector(_Interpreter):
         self._seen[key] = self._seen.get(key, -1) + 1
         return (*key, self._seen[key])
 
-    def _structured(
-        self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool
-    ) -> list | None:
-        primitive = eqn.primitive
-        if primitive not in (_jaxpr.SCAN, _jaxpr.WHILE, _jaxpr.COND):
-            return None
+    def cond(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
+        """A `cond`: every branch run, only the taken one's operations recorded."""
         p, where = eqn.params, self._where(eqn)
-        if primitive is _jaxpr.COND:
-            index, runs, flags = invals[0], [], []
-            if not isinstance(index, jax.Array):  # a literal: only that branch can run
-                taken = int(np.clip(int(index), 0, len(p["branches"]) - 1))
-                return self.call(p["branches"][taken], invals[1:], in_flags[1:], here, seeded)
-            for b, branch in enumerate(p["branches"]):
-                self._guards.append((self._keep(index)[1], b))
-                self._place.append((where, b))
-                runs.append(self.call(branch, invals[1:], in_flags[1:], here, seeded))
-                flags.append(self.flags_out)
-                self._place.pop()
-                self._guards.pop()
-            self.flags_out = _merge_flags(flags)
-            if len(runs) == 1:
-                return runs[0]
-            chosen = [jax.lax.select_n(index, *values) for values in zip(*runs, strict=True)]
-            for values, out in zip(zip(*runs, strict=True), chosen, strict=True):
-                self._passed(list(values), [out])
-            return chosen
-        if primitive is _jaxpr.SCAN:
-            nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
-            consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-            carry_flags, xs_flags = in_flags[nc : nc + nk], in_flags[nc + nk :]
-            ys, ys_flags = [], []
-            for i in reversed(range(length)) if p["reverse"] else range(length):
-                self._place.append((where, i))
-                outs = self.call(
-                    p["jaxpr"],
-                    [*consts, *carry, *(x[i] for x in xs)],
-                    [*in_flags[:nc], *carry_flags, *xs_flags],
-                    here,
-                    seeded,
-                )
-                self._place.pop()
-                carry, carry_flags = outs[:nk], self.flags_out[:nk]
-                ys.append(outs[nk:])
-                ys_flags.append(self.flags_out[nk:])
-            if p["reverse"]:
-                ys.reverse()
-            empty = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
-            stacked = [jnp.stack(y) for y in zip(*ys, strict=True)] if ys else empty
-            for y, out in zip(zip(*ys, strict=True), stacked, strict=True):
-                self._passed(list(y), [out])
-            self.flags_out = [
-                *carry_flags,
-                *(_merge_flags(ys_flags) if ys else in_flags[nc + nk :]),
-            ]
-            return [*carry, *stacked]
+        index, runs, flags = invals[0], [], []
+        if not isinstance(index, jax.Array):  # a literal: only that branch can run
+            taken = int(np.clip(int(index), 0, len(p["branches"]) - 1))
+            return self.call(p["branches"][taken], invals[1:], in_flags[1:], here, seeded)
+        for b, branch in enumerate(p["branches"]):
+            self._guards.append((self._keep(index)[1], b))
+            self._place.append((where, b))
+            runs.append(self.call(branch, invals[1:], in_flags[1:], here, seeded))
+            flags.append(self.flags_out)
+            self._place.pop()
+            self._guards.pop()
+        self.flags_out = _merge_flags(flags)
+        if len(runs) == 1:
+            return runs[0]
+        chosen = [jax.lax.select_n(index, *values) for values in zip(*runs, strict=True)]
+        for values, out in zip(zip(*runs, strict=True), chosen, strict=True):
+            self._passed(list(values), [out])
+        return chosen
+
+    def scan(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
+        """A `scan`, unrolled."""
+        p, where = eqn.params, self._where(eqn)
+        nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+        consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+        carry_flags, xs_flags = in_flags[nc : nc + nk], in_flags[nc + nk :]
+        ys, ys_flags = [], []
+        for i in reversed(range(length)) if p["reverse"] else range(length):
+            self._place.append((where, i))
+            outs = self.call(
+                p["jaxpr"],
+                [*consts, *carry, *(x[i] for x in xs)],
+                [*in_flags[:nc], *carry_flags, *xs_flags],
+                here,
+                seeded,
+            )
+            self._place.pop()
+            carry, carry_flags = outs[:nk], self.flags_out[:nk]
+            ys.append(outs[nk:])
+            ys_flags.append(self.flags_out[nk:])
+        if p["reverse"]:
+            ys.reverse()
+        empty = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
+        stacked = [jnp.stack(y) for y in zip(*ys, strict=True)] if ys else empty
+        for y, out in zip(zip(*ys, strict=True), stacked, strict=True):
+            self._passed(list(y), [out])
+        self.flags_out = [
+            *carry_flags,
+            *(_merge_flags(ys_flags) if ys else in_flags[nc + nk :]),
+        ]
+        return [*carry, *stacked]
+
+    def while_loop(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
+        """A `while` loop, run as often as it ran in the program (`trip_counts`)."""
+        p, where = eqn.params, self._where(eqn)
         # while: cond_consts, body_consts, carry.
         cc, bc = p["cond_nconsts"], p["body_nconsts"]
         cond_consts, body_consts, carry = invals[:cc], invals[cc : cc + bc], invals[cc + bc :]
