@@ -88,17 +88,17 @@ _JAX_FLOATS = frozenset(
 )  # fmt: skip
 
 
+# Every dtype NumPy knows by a type (ml_dtypes' formats included, which JAX registers), by the
+# name NumPy gives it.
+_DTYPES_BY_NAME = {np.dtype(t).name: np.dtype(t) for t in set(np.sctypeDict.values())}
+
+
 def named_dtype(name: str) -> np.dtype | None:
-    """The dtype `name` names, or None. Only full names are read: NumPy parses other strings
-    as structured dtypes (',', 'i4,f8'; some raise a SyntaxError) or type codes ('d' is
-    float64)."""
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-        return None
-    try:
-        dtype = np.dtype(jnp.dtype(name))
-    except TypeError:
-        return None
-    return dtype if dtype.name == name else None
+    """The dtype `name` names as NumPy names it (`dtype.name`: "float32", "bfloat16", "int8"),
+    or None. Other strings NumPy parses are not names: structured dtypes (',', 'i4,f8'; some
+    raise a SyntaxError), type codes ('d' is float64) and deprecated aliases ('a', which warns)
+    are looked up, never parsed."""
+    return _DTYPES_BY_NAME.get(name)
 
 
 def _string_dtype(value: str) -> np.dtype | None:
