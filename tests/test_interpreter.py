@@ -113,9 +113,30 @@ def test_autocast_registers_loops_branches_and_calls_like_any_primitive(rules):
     # the float8 layer adds a rule for dot_general over autocast's, which it may decline to
     dot = rules.candidates(P.dot_general_p)
     if rules is programs.FLOAT8:
-        assert dot[:2] == (programs._float8_matmul, programs._eval_primitive)
+        assert dot[:2] == (programs._float8_matmul, programs._by_meaning)
     else:
         assert programs._float8_matmul not in dot
+
+
+def test_every_primitive_of_the_rules_table_has_its_own_autocast_rule():
+    from jmp_policy._core import rules as _rules
+
+    layer = programs.AUTOCAST
+    expected = {
+        _rules.COMPUTE: programs._by_meaning,
+        _rules.FLOAT32: programs._by_meaning,
+        _rules.OPERANDS: programs._by_meaning,
+        _rules.NO_HALF_KERNEL: programs._without_half_kernel,
+        _rules.AS_TRACED: programs._kept_as_traced,
+    }
+    for primitive, rule in _rules.RULES.items():
+        assert layer.own_rule(primitive) is expected[rule.runs_in], primitive
+    for name, rule in _rules.RULES_BY_NAME.items():
+        assert layer.by_name[name] is expected[rule.runs_in], name
+    # the table never shadows the structure below it
+    for primitive in _STRUCTURE:
+        assert layer.own_rule(primitive) is None, primitive
+    assert layer.default is programs._eval_primitive
 
 
 def test_a_regions_rules_choose_its_rule_set():

@@ -97,25 +97,48 @@ def _unknown(ev: _Evaluation, eqn: Any, invals: list) -> list:
     return _as_traced(ev, eqn, invals)
 
 
+def _by_meaning(ev: _Evaluation, eqn: Any, invals: list) -> list | None:
+    """A primitive that runs in the compute dtype, in float32 or in its operands' dtype
+    (`_rules.RULES`): by the user's lists, then by where its operands meet
+    (`_eval_by_rules`)."""
+    floating = [i for i, x in enumerate(invals) if _is_float(x)]
+    return _eval_by_rules(ev, eqn, invals, floating) if floating else None
+
+
+def _without_half_kernel(ev: _Evaluation, eqn: Any, invals: list) -> list | None:
+    """A decomposition or an FFT (`_rules.NO_HALF_KERNEL`): in float32, whatever the lists."""
+    return _in_float32(ev, eqn, invals) if any(map(_is_float, invals)) else None
+
+
+def _kept_as_traced(ev: _Evaluation, eqn: Any, invals: list) -> list | None:
+    """A bit cast, an opaque sub-program (`_rules.AS_TRACED`): in the dtypes it was traced
+    with."""
+    return _as_traced(ev, eqn, invals) if any(map(_is_float, invals)) else None
+
+
+_BY_RUNS_IN = {
+    _rules.COMPUTE: _by_meaning,
+    _rules.FLOAT32: _by_meaning,
+    _rules.OPERANDS: _by_meaning,
+    _rules.NO_HALF_KERNEL: _without_half_kernel,
+    _rules.AS_TRACED: _kept_as_traced,
+}
+
+
 def _eval_primitive(ev: _Evaluation, eqn: Any, invals: list) -> list:
-    """autocast's default rule: an equation by what its primitive means (`_rules.rule_of`)
-    and the user's `allow` and `deny` lists."""
+    """autocast's default rule: a primitive without a rule of its own (or one whose rule
+    declined: no floating operand). A typed callback or an opaque sub-program runs exactly as
+    traced; a primitive the user's lists name, by them; any other as traced, and the user is
+    told (`_unknown`)."""
     rules, name = ev.rules, eqn.primitive.name
     if _jaxpr.sub_programs(eqn) or _jaxpr.is_callback(eqn):
         return _as_traced(ev, eqn, invals)  # typed callbacks and opaque sub-programs stay exact
     floating = [i for i, x in enumerate(invals) if _is_float(x)]
     if not floating:
         return _bind(eqn, invals)
-    rule = _rules.rule_of(eqn)
-    if rule is None:
-        if name in rules.allow or name in rules.deny:  # the user's lists decide
-            return _eval_by_rules(ev, eqn, invals, floating)
-        return _unknown(ev, eqn, invals)
-    if rule.runs_in == _rules.NO_HALF_KERNEL:
-        return _in_float32(ev, eqn, invals)
-    if rule.runs_in == _rules.AS_TRACED:
-        return _as_traced(ev, eqn, invals)
-    return _eval_by_rules(ev, eqn, invals, floating)
+    if name in rules.allow or name in rules.deny:  # the user's lists decide
+        return _eval_by_rules(ev, eqn, invals, floating)
+    return _unknown(ev, eqn, invals)
 
 
 def _in_shard_map(ev: _Evaluation, eqn: Any, invals: list) -> list:
@@ -634,11 +657,19 @@ STRUCTURE = RuleSet(
 rebuilt with public APIs around bodies run by the same rule set."""
 AUTOCAST = STRUCTURE.over(
     "autocast",
-    dict.fromkeys(_jaxpr.CUSTOM_DERIVATIVES, _eval_custom_derivative),
-    by_name={_jaxpr.SHARD_MAP_NAME: _in_shard_map},
+    {
+        **{p: _BY_RUNS_IN[rule.runs_in] for p, rule in _rules.RULES.items()},
+        **dict.fromkeys(_jaxpr.CUSTOM_DERIVATIVES, _eval_custom_derivative),
+    },
+    by_name={
+        **{name: _BY_RUNS_IN[rule.runs_in] for name, rule in _rules.RULES_BY_NAME.items()},
+        _jaxpr.SHARD_MAP_NAME: _in_shard_map,
+    },
     default=_eval_primitive,
 )
-"""autocast: every primitive by its rule (`_rules.RULES`) and the user's lists."""
+"""autocast: each primitive of the rules table by what it means (`_rules.RULES`: in the
+compute dtype, in float32, ...), and the user's `allow` and `deny` lists; custom derivatives
+rebuilt with their rules; any other primitive by `_eval_primitive`."""
 FLOAT8 = AUTOCAST.over("float8 and block-scaled", {_jaxpr.DOT_GENERAL: _float8_matmul})
 """A float8 or block-scaled policy: the matmuls that can run in its format (the others, and
 every other operation, as under `AUTOCAST`)."""
