@@ -116,6 +116,10 @@ def test_autocast_registers_loops_branches_and_calls_like_any_primitive(rules):
         assert dot[:2] == (programs._float8_matmul, programs._by_meaning)
     else:
         assert programs._float8_matmul not in dot
+    if rules is programs.CAST_AT_USE:  # a cast and a matmul each read in one rule of its own
+        assert rules.candidates(_jaxpr.CONVERT)[0] is programs._at_use_convert
+        for matmul in _jaxpr.LAX_MATMULS:
+            assert rules.candidates(matmul)[0] is programs._at_use_matmul
 
 
 def test_every_primitive_of_the_rules_table_has_its_own_autocast_rule():

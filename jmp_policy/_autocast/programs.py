@@ -148,34 +148,95 @@ def _in_shard_map(ev: _Evaluation, eqn: Any, invals: list) -> list:
     )
 
 
+def _held(ev: _Evaluation, eqn: Any, invals: list) -> bool:
+    """`cast_at_use`: whether an operand of `eqn` is held in float32 where the program has a
+    16-bit dtype: the float32 list's results and the float32 arithmetic on them."""
+    return any(
+        _is_float(x) and (x.dtype != a.dtype or ev.kind(x) in (ISLAND, STATISTIC))
+        for x, a in zip(invals, _avals(eqn.invars), strict=True)
+    )
+
+
+def _at_use_convert(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """`cast_at_use`'s rule for a cast. A value held in float32 cast down to 16 bits (JAX's own
+    `jnp.sum` of 16-bit values sums in float32 and casts back; a model's
+    `rsqrt(var).astype(x.dtype)`) is held on: the op that takes it decides; cast otherwise,
+    where float32 and 16-bit values meet (`_meeting_held`). Any other cast as traced, noting
+    a float32 weight's cast to 16 bits (`downcast`: its uses take the weight) and an
+    activation's cast to float32 (an island: `_meeting_held`)."""
+    (x,) = invals
+    if _held(ev, eqn, invals):
+        to = eqn.outvars[0].aval.dtype
+        if x.dtype == _FLOAT32 and jnp.issubdtype(to, jnp.floating) and jnp.finfo(to).bits == 16:
+            return [x]
+        return _meeting_held(ev, eqn, invals)
+    outs = _bind(eqn, invals)
+    if _is_float(x) and _is_float(outs[0]):
+        bits = jnp.finfo(x.dtype).bits, jnp.finfo(outs[0].dtype).bits
+        if ev.is_weight(x) and x.dtype == _FLOAT32 and bits[1] == 16:
+            ev.add_downcast(outs[0], x)
+        elif bits == (16, 32) and ev.downcast(x) is None:
+            ev.record(outs, ISLAND)
+    return outs
+
+
+def _at_use_matmul(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    """`cast_at_use`'s rule for a matmul or conv, on its operands in the dtypes it was traced
+    with (a value held in float32 given back in 16 bits). On a weight's cast the float32
+    weight goes in, cast inside `jmp_policy.matmul.mixed`, so its gradient is made in float32
+    (and summed across devices in float32). Accumulated wider than its 16-bit operands
+    (`jax.nn.dot_product_attention`'s scores, preferred float32), its backward takes its
+    cotangent in the operands' dtype: JAX's own transpose would multiply the float32
+    cotangent by a 16-bit operand, which a GPU runs as a float32 GEMM."""
+    invals = _cast_like_avals(invals, _avals(eqn.invars))
+    found = [ev.downcast(x) for x in invals]
+    preferred = eqn.params.get("preferred_element_type")
+    compute = next(
+        (x.dtype for x, f in zip(invals, found, strict=True) if f is not None),
+        _half_among(invals),
+    )
+    wider = (
+        compute is not None
+        and preferred is not None
+        and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
+    )
+    if compute is None or not (any(f is not None for f in found) or wider):
+        return _bind(eqn, invals)
+    lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
+
+    # An algorithm preset (`jax.nn.dot_product_attention`'s F16_F16_F32) names the dtypes it
+    # was traced with, which XLA:CPU cannot run: `mixed` says the same with its operands'
+    # dtypes and `preferred_element_type`.
+    params = dict(eqn.params)
+    if isinstance(params.get("precision"), lax.DotAlgorithmPreset):
+        params["precision"] = None
+
+    def op(lhs, rhs, preferred):
+        return _LAX_MATMULS[eqn.primitive](
+            lhs, rhs, **{**params, "preferred_element_type": preferred}
+        )
+
+    with _source_context(eqn):
+        dot = dot_of(eqn.primitive, params)
+        out = mixed(op, compute, preferred if wider else None, lhs, rhs, dot)
+    return [_cast(out, eqn.outvars[0].aval.dtype)]
+
+
 def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
-    """An equation as traced, except on a weight's cast down from float32:
-    - a matmul or conv takes the float32 weight and casts it inside
-      `jmp_policy.matmul.mixed`, so its gradient is made in float32;
+    """`cast_at_use`'s rule for any other equation: as traced, except on a weight's cast down
+    from float32 and on values held in float32 (`_held`):
     - a shape-only operation runs on the float32 weight and is cast after it, and an
       elementwise one that broadcasts the weight (a bias added to a batch) gets it
       broadcast in float32 first, so the sum over the batch that is its gradient runs in
-      float32 (a 16-bit activation broadcast over size-1 axes too).
-    Either way the forward values are the same, and the gradient is summed across devices
-    in float32."""
+      float32 (a 16-bit activation broadcast over size-1 axes too);
+    - an elementwise op, the float32 list, and an op on one floating operand (a reshape, a
+      broadcast, a slice, a max) take held values as they are; any other op (a
+      concatenation, a custom function) gets them back in the dtype it was traced with,
+      where the model continues in it.
+    Either way the forward values are the same."""
     rule = _rules.rule_of(eqn)
-    # Values held in float32 where the program has a 16-bit dtype: the float32 list's results
-    # and the float32 arithmetic on them. An elementwise op, the float32 list, and an op on
-    # one floating operand (a reshape, a broadcast, a slice, a max) take them as they are;
-    # any other op (a matmul, a concatenation, a custom function) gets them back in the
-    # dtype it was traced with, where the model continues in it.
     avals = _avals(eqn.invars)
-    held = any(
-        _is_float(x) and (x.dtype != a.dtype or ev.kind(x) in (ISLAND, STATISTIC))
-        for x, a in zip(invals, avals, strict=True)
-    )
-    if held and eqn.primitive is _jaxpr.CONVERT and invals[0].dtype == _FLOAT32:
-        to = eqn.outvars[0].aval.dtype
-        if jnp.issubdtype(to, jnp.floating) and jnp.finfo(to).bits == 16:
-            # Cast down to 16 bits (JAX's own `jnp.sum` of 16-bit values sums in float32 and
-            # casts back; a model's `rsqrt(var).astype(x.dtype)`): held on, the op that
-            # takes it decides.
-            return [invals[0]]
+    held = _held(ev, eqn, invals)
     follows = rule is not None and (
         rule.elementwise
         or rule.runs_in == _rules.FLOAT32
@@ -227,43 +288,6 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
             return x
 
         invals = [broadcast(x) for x in invals]
-    if eqn.primitive in _LAX_MATMULS:
-        found = [ev.downcast(x) for x in invals]
-        preferred = eqn.params.get("preferred_element_type")
-        compute = next(
-            (x.dtype for x, f in zip(invals, found, strict=True) if f is not None),
-            _half_among(invals),
-        )
-        wider = (
-            compute is not None
-            and preferred is not None
-            and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
-        )
-        # On a weight's cast, the float32 weight goes in (its gradient made in float32).
-        # Accumulated wider than its 16-bit operands (`jax.nn.dot_product_attention`'s
-        # scores, preferred float32), the matmul's backward takes its cotangent in the
-        # operands' dtype: JAX's own transpose would multiply the float32 cotangent by a
-        # 16-bit operand, which a GPU runs as a float32 GEMM.
-        if any(f is not None for f in found) or wider:
-            assert compute is not None  # a weight's cast, or the 16-bit operands
-            lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
-
-            # An algorithm preset (`jax.nn.dot_product_attention`'s F16_F16_F32) names the
-            # dtypes it was traced with, which XLA:CPU cannot run: `mixed` says the same with
-            # its operands' dtypes and `preferred_element_type`.
-            params = dict(eqn.params)
-            if isinstance(params.get("precision"), lax.DotAlgorithmPreset):
-                params["precision"] = None
-
-            def op(lhs, rhs, preferred):
-                return _LAX_MATMULS[eqn.primitive](
-                    lhs, rhs, **{**params, "preferred_element_type": preferred}
-                )
-
-            with _source_context(eqn):
-                dot = dot_of(eqn.primitive, params)
-                out = mixed(op, compute, preferred if wider else None, lhs, rhs, dot)
-            return [_cast(out, eqn.outvars[0].aval.dtype)]
     half = _half_among(invals)
     if rule is not None and rule.runs_in == _rules.FLOAT32 and (half is not None or held):
         # The float32 list, in the model's own code too (a segment sum, exp, log, a
@@ -275,16 +299,7 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         return _meeting_held(ev, eqn, invals)
     if half is not None and _sums_in_transpose(eqn, invals):
         return _adding_in_float32(eqn, invals)
-    outs = _bind(eqn, invals)
-    if eqn.primitive is _jaxpr.CONVERT and _is_float(invals[0]) and _is_float(outs[0]):
-        bits = jnp.finfo(invals[0].dtype).bits, jnp.finfo(outs[0].dtype).bits
-        if ev.is_weight(invals[0]) and invals[0].dtype == _FLOAT32 and bits[1] == 16:
-            ev.add_downcast(outs[0], invals[0])
-        elif bits == (16, 32) and ev.downcast(invals[0]) is None:
-            # An activation in float32 (JAX's own sum of 16-bit values, the model's cast):
-            # the float32 arithmetic on it is an island (`_meeting_held`).
-            ev.record(outs, ISLAND)
-    return outs
+    return _bind(eqn, invals)
 
 
 def _weight_arithmetic(ev: _Evaluation, eqn: Any, invals: list) -> list | None:
@@ -673,8 +688,16 @@ rebuilt with their rules; any other primitive by `_eval_primitive`."""
 FLOAT8 = AUTOCAST.over("float8 and block-scaled", {_jaxpr.DOT_GENERAL: _float8_matmul})
 """A float8 or block-scaled policy: the matmuls that can run in its format (the others, and
 every other operation, as under `AUTOCAST`)."""
-CAST_AT_USE = STRUCTURE.over("cast_at_use", default=_eval_cast_at_use)
-"""`cast_at_use`: the program as traced, but for its weights' casts (`_eval_cast_at_use`)."""
+CAST_AT_USE = STRUCTURE.over(
+    "cast_at_use",
+    {
+        _jaxpr.CONVERT: _at_use_convert,
+        **dict.fromkeys(_LAX_MATMULS, _at_use_matmul),
+    },
+    default=_eval_cast_at_use,
+)
+"""`cast_at_use`: the program as traced, but for its weights' casts and the values the float32
+list holds in float32 (`_at_use_convert`, `_at_use_matmul`, `_eval_cast_at_use`)."""
 
 
 def rule_set(rules: _Rules) -> RuleSet:
