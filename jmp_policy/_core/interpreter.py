@@ -99,15 +99,9 @@ class RuleSet:
         consts: Sequence[Any],
         args: Sequence[Any],
         records: _jaxpr.Records | None = None,
-        around: Callable[[Any, list, Callable[[], list]], list] | None = None,
     ) -> list:
         """`jaxpr` run equation by equation by these rules (`_jaxpr.evaluate`), each value's
-        record beside it where `records` are given. `around(eqn, invals, outputs)`, where
-        given, is called for every equation with `outputs()` (the rule's outputs)."""
-
-        def rule(eqn: Any, invals: list) -> list:
-            if around is None:
-                return self.apply(ctx, eqn, invals)
-            return around(eqn, invals, lambda: self.apply(ctx, eqn, invals))
-
-        return _jaxpr.evaluate(jaxpr, consts, args, rule, records)
+        record beside it where `records` are given."""
+        return _jaxpr.evaluate(
+            jaxpr, consts, args, lambda eqn, invals: self.apply(ctx, eqn, invals), records
+        )
