@@ -44,6 +44,7 @@ from jax import lax
 from jmp_policy._autocast.activations import WEIGHT, kind_of_dtype, meet, weight_at_use
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core.compat import einsum_with_dot_general, linen_promote_dtype
+from jmp_policy._core.interpreter import RuleSet
 from jmp_policy.policy import normalise_dtype
 
 
@@ -55,20 +56,28 @@ def _cast(x: Any, dtype: np.dtype) -> Any:
     return lax.convert_element_type(x, dtype) if _floating(x) and x.dtype != dtype else x
 
 
+def _accumulated_in(out_dtype: np.dtype | None, eqn: Any, invals: list) -> list | None:
+    """A matmul with its `preferred_element_type` set to `out_dtype` (None: as traced)."""
+    if out_dtype is None:
+        return None
+    return _runnable(
+        lambda *xs: _jaxpr.bind(eqn, list(xs), preferred_element_type=out_dtype),
+        invals,
+        out_dtype,
+    )
+
+
+_WIDER = RuleSet(
+    "a backward matmul accumulated wider", dict.fromkeys(_jaxpr.MATMULS, _accumulated_in)
+)
+"""`_eval_with_output`'s rules (their `ctx`: the dtype to accumulate in); every other operation
+as traced."""
+
+
 def _eval_with_output(closed: Any, out_dtype: np.dtype | None, *args: Any) -> list:
     """Evaluates `closed` (a jaxpr of one backward matmul and its reshapes) with the matmul's
     `preferred_element_type` set to `out_dtype`: JAX's own transpose rule, accumulated wider."""
-
-    def rule(eqn: Any, invals: list) -> list | None:
-        if not _jaxpr.is_matmul(eqn) or out_dtype is None:
-            return None
-        return _runnable(
-            lambda *xs: _jaxpr.bind(eqn, list(xs), preferred_element_type=out_dtype),
-            invals,
-            out_dtype,
-        )
-
-    return _jaxpr.evaluate_closed(closed, args, rule)
+    return _WIDER.run(out_dtype, closed.jaxpr, list(closed.consts), list(args))
 
 
 CPU_WIDENED = "xla_cpu_widened_bfloat16"

@@ -310,10 +310,6 @@ def evaluate(
     return [value for value, _ in results]
 
 
-def evaluate_closed(closed: Any, args: Sequence[Any], rule: Any = None) -> list:
-    return evaluate(closed.jaxpr, list(closed.consts), list(args), rule)
-
-
 def producers(jaxpr: Any) -> dict:
     """`{variable: the equation that made it}` of a jaxpr's own equations; a named value
     (`CHECKPOINT_NAME`, the identity) maps to the equation that made what it names."""
