@@ -89,14 +89,23 @@ RECORDING = RuleSet(
 )
 """The debugger's rules: every operation recorded with its values, calls (and remats, custom
 derivatives' functions) inlined; a loop or branch is bound whole (`UNROLLING` runs them)."""
+
+
+def _unrolled(method: str) -> Callable[[_Run, Any, list], list]:
+    """The rule running a loop or branch by the interpreter's `method` (`_Collector`'s)."""
+
+    def rule(run: _Run, eqn: Any, invals: list) -> list:
+        return run.structured(getattr(run.interpreter, method), eqn, invals)
+
+    return rule
+
+
 UNROLLING = RECORDING.over(
     "the precision debugger, loops unrolled",
     {
-        _jaxpr.SCAN: lambda run, eqn, invals: run.structured(run.interpreter.scan, eqn, invals),
-        _jaxpr.WHILE: lambda run, eqn, invals: run.structured(
-            run.interpreter.while_loop, eqn, invals
-        ),
-        _jaxpr.COND: lambda run, eqn, invals: run.structured(run.interpreter.cond, eqn, invals),
+        _jaxpr.SCAN: _unrolled("scan"),
+        _jaxpr.WHILE: _unrolled("while_loop"),
+        _jaxpr.COND: _unrolled("cond"),
     },
 )
 """`RECORDING`, with the operations inside loops and branches recorded one by one
