@@ -184,7 +184,7 @@ def test_loops_run_by_the_debuggers_unrolling_layer_record_each_step():
 
     class Unrolled(Names):
         rule_set = debugger.UNROLLING
-        scan = debugger._Collector.scan
+        run_scan = debugger._Collector.run_scan
 
         def __init__(self):
             super().__init__()

@@ -103,9 +103,9 @@ def _unrolled(method: str) -> Callable[[_Run, Any, list], list]:
 UNROLLING = RECORDING.over(
     "the precision debugger, loops unrolled",
     {
-        _jaxpr.SCAN: _unrolled("scan"),
-        _jaxpr.WHILE: _unrolled("while_loop"),
-        _jaxpr.COND: _unrolled("cond"),
+        _jaxpr.SCAN: _unrolled("run_scan"),
+        _jaxpr.WHILE: _unrolled("run_while"),
+        _jaxpr.COND: _unrolled("run_cond"),
     },
 )
 """`RECORDING`, with the operations inside loops and branches recorded one by one
@@ -314,7 +314,7 @@ class _Collector(_Interpreter):
         self._seen[key] = self._seen.get(key, -1) + 1
         return (*key, self._seen[key])
 
-    def cond(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
+    def run_cond(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
         """A `cond`: every branch run, only the taken one's operations recorded."""
         p, where = eqn.params, self._where(eqn)
         index, runs, flags = invals[0], [], []
@@ -336,7 +336,7 @@ class _Collector(_Interpreter):
             self._passed(list(values), [out])
         return chosen
 
-    def scan(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
+    def run_scan(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
         """A `scan`, unrolled."""
         p, where = eqn.params, self._where(eqn)
         nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
@@ -368,7 +368,7 @@ class _Collector(_Interpreter):
         ]
         return [*carry, *stacked]
 
-    def while_loop(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
+    def run_while(self, eqn: Any, invals: list, in_flags: list, here: str, seeded: bool) -> list:
         """A `while` loop, run as often as it ran in the program (`trip_counts`)."""
         p, where = eqn.params, self._where(eqn)
         # while: cond_consts, body_consts, carry.
