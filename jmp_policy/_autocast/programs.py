@@ -531,10 +531,17 @@ def _follow_weights(ev: _Evaluation, outer: list, inner: list, wide: list) -> li
     return inner
 
 
-def _eval_scan(ev: _Evaluation, eqn: Any, invals: list) -> list:
-    # The loop keeps its place in the name stack (its body's are relative to it).
-    with _source_context(eqn):
-        return _scan(ev, eqn, invals)
+def _in_its_place(
+    run: Callable[[_Evaluation, Any, list], list],
+) -> Callable[[_Evaluation, Any, list], list]:
+    """The rule of a loop or branch: `run(ev, eqn, invals)` with the equation's place in the
+    name stack kept (its body's are relative to it)."""
+
+    def rule(ev: _Evaluation, eqn: Any, invals: list) -> list:
+        with _source_context(eqn):
+            return run(ev, eqn, invals)
+
+    return rule
 
 
 def _scan(ev: _Evaluation, eqn: Any, invals: list) -> list:
@@ -609,12 +616,8 @@ def _scan(ev: _Evaluation, eqn: Any, invals: list) -> list:
     return [*carry, *ys]
 
 
-def _eval_while(ev: _Evaluation, eqn: Any, invals: list) -> list:
-    with _source_context(eqn):
-        return _while(ev, eqn.params, invals)
-
-
-def _while(ev: _Evaluation, params: dict, invals: list) -> list:
+def _while(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    params = eqn.params
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
 
@@ -630,12 +633,8 @@ def _while(ev: _Evaluation, params: dict, invals: list) -> list:
     return list(lax.while_loop(cond_fn, body_fn, list(init)))
 
 
-def _eval_cond(ev: _Evaluation, eqn: Any, invals: list) -> list:
-    with _source_context(eqn):
-        return _cond(ev, eqn.params, invals)
-
-
-def _cond(ev: _Evaluation, params: dict, invals: list) -> list:
+def _cond(ev: _Evaluation, eqn: Any, invals: list) -> list:
+    params = eqn.params
     index, operands = invals[0], invals[1:]
     branches = [functools.partial(_eval_closed, b, ev=ev) for b in params["branches"]]
     shapes = [jax.eval_shape(lambda *a, f=f: f(list(a)), *operands) for f in branches]
@@ -662,9 +661,9 @@ STRUCTURE = RuleSet(
     {
         **dict.fromkeys(_jaxpr.CALLS, _eval_call),
         _jaxpr.REMAT: _eval_remat,
-        _jaxpr.SCAN: _eval_scan,
-        _jaxpr.WHILE: _eval_while,
-        _jaxpr.COND: _eval_cond,
+        _jaxpr.SCAN: _in_its_place(_scan),
+        _jaxpr.WHILE: _in_its_place(_while),
+        _jaxpr.COND: _in_its_place(_cond),
     },
     by_name=dict.fromkeys(_jaxpr.FALLBACK_NAMES, _eval_call),
 )
