@@ -283,22 +283,19 @@ def _float8_matmul(ev: _Evaluation, eqn: Any, invals: list) -> list | None:
     if not low:
         return None
     with _source_context(eqn):
-        if isinstance(scaling, nvfp4.Recipe) and ev.sites is not None:
-            out = nvfp4.linear_dot_general(
-                lhs, rhs, dimension_numbers, ev.sites.state_for(eqn), scaling,
-                weight=side or "rhs", out_dtype=rules.compute,
-            )  # fmt: skip
-        elif isinstance(scaling, nvfp4.Recipe):  # in a custom derivative: no state
-            out = fp8_dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
-                                  out_dtype=rules.compute)  # fmt: skip
-        elif not isinstance(scaling, DelayedScaling):
+        if not isinstance(scaling, (nvfp4.Recipe, DelayedScaling)):  # stateless scaling
             out = fp8_dot_general(
                 lhs, rhs, dimension_numbers, fmt=fmt, scaling=scaling,
                 out_dtype=rules.compute,
             )  # fmt: skip
-        elif ev.sites is None:  # inside a custom derivative: current scaling
+        elif ev.sites is None:  # inside a custom derivative: no state, current scaling
             out = fp8_dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
                                   out_dtype=rules.compute)  # fmt: skip
+        elif isinstance(scaling, nvfp4.Recipe):
+            out = nvfp4.linear_dot_general(
+                lhs, rhs, dimension_numbers, ev.sites.state_for(eqn), scaling,
+                weight=side or "rhs", out_dtype=rules.compute,
+            )  # fmt: skip
         else:
             state = ev.sites.state_for(eqn)
             out = delayed_dot_general(
