@@ -1,6 +1,8 @@
 """The engine's interpreter (`jmp_policy._core.interpreter`): rules keyed by primitive, in
 rule sets layered over a base, and the rule sets autocast and the debugger run by."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,8 +148,8 @@ def test_every_primitive_of_the_rules_table_has_its_own_autocast_rule():
 def test_a_regions_rules_choose_its_rule_set():
     plain = _Rules(np.dtype(jnp.bfloat16), np.dtype(jnp.float32), frozenset(), frozenset())
     assert programs.rule_set(plain) is programs.AUTOCAST
-    assert programs.rule_set(_Rules(**{**vars(plain), "at_use": True})) is programs.CAST_AT_USE
-    assert programs.rule_set(_Rules(**{**vars(plain), "fp8": (None, "e4m3")})) is programs.FLOAT8
+    assert programs.rule_set(dataclasses.replace(plain, at_use=True)) is programs.CAST_AT_USE
+    assert programs.rule_set(dataclasses.replace(plain, fp8=(None, "e4m3"))) is programs.FLOAT8
 
 
 def test_the_debugger_records_by_a_rule_set_with_loops_unrolled_as_a_layer():
@@ -182,18 +184,12 @@ def test_loops_run_by_the_debuggers_unrolling_layer_record_each_step():
     assert plain.names == ["scan"]
     assert float(out) == pytest.approx(np.sin(np.sin(np.sin(0.5))))
 
-    class Unrolled(Names):
-        rule_set = debugger.UNROLLING
-        run_scan = debugger._Collector.run_scan
-
+    class Unrolled(debugger._Collector):  # the collector itself, recording names only
         def __init__(self):
-            super().__init__()
-            self._place, self._seen, self.records, self.kept = [], {}, [], []
-            self.values = _jaxpr.Records(debugger._Kept)
+            super().__init__(acc=None)
+            self.names: list = []
 
-        _where = debugger._Collector._where
-        _passed = debugger._Collector._passed
-        _keep = debugger._Collector._keep
+        _record = Names._record
 
     unrolled = Unrolled()
     (out,) = unrolled.run(closed.jaxpr, closed.consts, [jnp.float32(0.5)], "")
