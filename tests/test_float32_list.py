@@ -176,3 +176,79 @@ def test_a_maximums_derivative_sums_its_ties_in_float32(route):
     got = jax.grad(run)(w, x)
     want = jax.grad(lambda w, x: jnp.sum(jnp.max(x @ w, axis=-1)))(w, x)  # float32, same ties
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
+def _rms_norm(x, scale):
+    """A user's RMSNorm, written without casts: `jnp.mean` sums in float32 and hands back the
+    operand's dtype, and the epsilon is added to what it returns."""
+    variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(variance + 1e-6) * (1 + scale)
+
+
+class LinenLookup(nn.Module):
+    """Rows of the model's own table (a raw parameter, no `nn.Embed`), normalised, then a layer."""
+
+    @nn.compact
+    def __call__(self, ids):
+        table = self.param("table", nn.initializers.normal(0.02), (32, 16))
+        scale = self.param("scale", nn.initializers.zeros, (16,))
+        return nn.Dense(8)(_rms_norm(jnp.take(table, ids, axis=0), scale))
+
+
+class NnxLookup(nnx.Module):
+    def __init__(self, rngs):
+        self.table = nnx.Param(jax.random.normal(rngs.params(), (32, 16)) * 0.02)
+        self.scale = nnx.Param(jnp.zeros(16))
+        self.dense = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.dense(_rms_norm(jnp.take(self.table[...], ids, axis=0), self.scale[...]))
+
+
+def _epsilon_sums(program) -> list[str]:
+    """The dtype of the `add` each `rsqrt` takes (a norm's variance plus its epsilon), read
+    through casts, in `program` and its sub-programs."""
+    from jmp_policy._core import jaxpr as _jaxpr
+
+    found = []
+
+    def visit(jaxpr):
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        made = _jaxpr.producers(jaxpr)
+        for eqn in jaxpr.eqns:
+            for sub in _jaxpr.sub_programs(eqn):
+                visit(sub)
+            if eqn.primitive.name != "rsqrt":
+                continue
+            source = made.get(eqn.invars[0])
+            while source is not None and source.primitive.name == "convert_element_type":
+                source = made.get(source.invars[0])
+            found.append(None if source is None else np.dtype(compute_dtype(source)).name)
+
+    visit(program)
+    return found
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("integration", INTEGRATIONS[:2] + ("autocast",))
+def test_a_norm_of_a_tables_rows_adds_its_epsilon_in_float32(integration, policy):
+    """A statistic of weights alone (an RMSNorm of rows the model takes from its own table,
+    before any activation) is computed on the float32 weights, and the float32 arithmetic on
+    it (the epsilon added to the variance) stays in float32, forward and backward, in every
+    route: the Linen policy added it in 16 bits while autocast added it in float32."""
+    ids = jnp.arange(6).reshape(2, 3)
+    if integration == "nnx.mixed_precision":
+        model = jmp.nnx.mixed_precision(NnxLookup(nnx.Rngs(0)), policy)
+        graphdef, weights = nnx.split(model)
+        loss = lambda w: jnp.sum(nnx.merge(graphdef, w)(ids).astype(jnp.float32))  # noqa: E731
+    else:
+        module = LinenLookup()
+        weights = module.init(jax.random.key(0), ids)
+        apply = (
+            jmp.autocast(module.apply, policy)
+            if integration == "autocast"
+            else jmp.linen.mixed_precision(module, policy).apply
+        )
+        loss = lambda w: jnp.sum(apply(w, ids).astype(jnp.float32))  # noqa: E731
+    sums = _epsilon_sums(jax.make_jaxpr(jax.grad(loss))(weights))
+    assert sums and set(sums) == {"float32"}, sums

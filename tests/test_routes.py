@@ -17,9 +17,6 @@ shift by the maximum, norms' scaling by their float32 scale, softmax's denominat
   float32 from the positions: the policy follows the program's own promotion to float32 (as
   the model's own `dtype=` recipe does), autocast casts the table to the activation's dtype
   (`activations.meet`, rule 2).
-- `weights before the first activation`: an embedding's rows plus a positional table: autocast
-  adds the two float32 weights in float32 (no activation yet), the policy adds their 16-bit
-  casts (Linen casts each parameter before the model's code sees it).
 """
 
 from __future__ import annotations
@@ -55,11 +52,10 @@ _MOVES = frozenset(
 
 EXPLICIT_FLOAT32 = "explicit float32"
 CONSTANT_TABLE = "a constant table meets an activation"
-WEIGHTS_FIRST = "weights before the first activation"
 _ATTENTION = r"(GroupedAttention_\d+|layers/\d+/attn)(/[qk])?"
 KNOWN: dict[str, dict[str, tuple[str, str]]] = {
     # cause: (path pattern, primitive pattern), matched in full
-    "dot_product_attention": {WEIGHTS_FIRST: (r"\(top level\)", "add")},
+    "dot_product_attention": {},
     "moe": {CONSTANT_TABLE: (_ATTENTION, "add|mul|sub|neg|add_any")},
     "gemma": {
         CONSTANT_TABLE: (_ATTENTION, "add|mul|sub|neg|add_any"),

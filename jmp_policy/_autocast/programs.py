@@ -162,11 +162,21 @@ def _at_use_convert(ev: _Evaluation, eqn: Any, invals: list) -> list:
     `jnp.sum` of 16-bit values sums in float32 and casts back; a model's
     `rsqrt(var).astype(x.dtype)`) is held on: the op that takes it decides; cast otherwise,
     where float32 and 16-bit values meet (`_meeting_held`). Any other cast as traced, noting
-    a float32 weight's cast to 16 bits (`downcast`: its uses take the weight) and an
-    activation's cast to float32 (an island: `_meeting_held`)."""
+    a float32 weight's cast to 16 bits (`downcast`: its uses take the weight), such a cast
+    cast back to float32 (still a weight: what is computed from weights alone is one,
+    `_from_weights`, so its own casts to 16 bits are weights' casts) and an activation's cast
+    to float32 (an island: `_meeting_held`)."""
     (x,) = invals
+    to = eqn.outvars[0].aval.dtype
+    found = ev.downcast(x)
+    if found is not None and to == _FLOAT32:
+        # A weight's 16-bit cast cast back up (`jnp.mean`'s own float32 sum of an embedding's
+        # rows): computed on as a weight (`_from_weights`). The cast itself, not the float32
+        # weight: inside a float32 island the 16-bit value is what the backward pass keeps.
+        outs = _bind(eqn, invals)
+        ev.add_weight(outs[0])
+        return outs
     if _held(ev, eqn, invals):
-        to = eqn.outvars[0].aval.dtype
         if x.dtype == _FLOAT32 and jnp.issubdtype(to, jnp.floating) and jnp.finfo(to).bits == 16:
             return [x]
         return _meeting_held(ev, eqn, invals)
@@ -299,7 +309,26 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         return _meeting_held(ev, eqn, invals)
     if half is not None and _sums_in_transpose(eqn, invals):
         return _adding_in_float32(eqn, invals)
-    return _bind(eqn, invals)
+    outs = _bind(eqn, invals)
+    if _from_weights(ev, eqn, invals):
+        for out in outs:  # still a weight: its cast to 16 bits is a weight's (`_at_use_convert`)
+            if _is_float(out) and out.dtype == _FLOAT32:
+                ev.add_weight(out)
+    return outs
+
+
+def _from_weights(ev: _Evaluation, eqn: Any, invals: list) -> bool:
+    """`cast_at_use`: whether `eqn`'s floating operands are float32 weights and constants
+    alone, at least one a weight (a norm's statistic of an embedding's rows, before any
+    activation)."""
+    weights = False
+    for var, x in zip(eqn.invars, invals, strict=True):
+        if not _is_float(x) or isinstance(var, Literal):
+            continue
+        if not ev.is_weight(x):
+            return False
+        weights = True
+    return weights
 
 
 def _weight_arithmetic(ev: _Evaluation, eqn: Any, invals: list) -> list | None:
