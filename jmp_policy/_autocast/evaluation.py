@@ -384,7 +384,10 @@ class _Evaluation:
         return None if known is None or known.cast_of is None else (x, known.cast_of)
 
     def add_downcast(self, half: Any, weight: Any) -> None:
+        """`half` is a 16-bit cast of `weight`, a float32 weight or a value computed from
+        weights alone (a weight too)."""
         self._records.written(half).cast_of = weight
+        self._records.written(weight).weight = True
 
     def as_weights(self, values: Iterable) -> list:
         """`values` with each weight's 16-bit cast (`cast_at_use`) replaced by its float32

@@ -164,15 +164,16 @@ def _at_use_convert(ev: _Evaluation, eqn: Any, invals: list) -> list:
     where float32 and 16-bit values meet (`_meeting_held`). Any other cast as traced, noting
     a float32 weight's cast to 16 bits (`downcast`: its uses take the weight), such a cast
     cast back to float32 (still a weight: what is computed from weights alone is one,
-    `_from_weights`, so its own casts to 16 bits are weights' casts) and an activation's cast
-    to float32 (an island: `_meeting_held`)."""
+    `_weights_if_from_weights`, so its own casts to 16 bits are weights' casts) and an
+    activation's cast to float32 (an island: `_meeting_held`)."""
     (x,) = invals
     to = eqn.outvars[0].aval.dtype
     found = ev.downcast(x)
     if found is not None and to == _FLOAT32:
         # A weight's 16-bit cast cast back up (`jnp.mean`'s own float32 sum of an embedding's
-        # rows): computed on as a weight (`_from_weights`). The cast itself, not the float32
-        # weight: inside a float32 island the 16-bit value is what the backward pass keeps.
+        # rows): computed on as a weight (`_weights_if_from_weights`). The cast itself, not the
+        # float32 weight: inside a float32 island the 16-bit value is what the backward pass
+        # keeps.
         outs = _bind(eqn, invals)
         ev.add_weight(outs[0])
         return outs
@@ -304,31 +305,32 @@ def _eval_cast_at_use(ev: _Evaluation, eqn: Any, invals: list) -> list:
         # cumulative sum): computed in float32 (a weight's cast from its float32 weight),
         # and held in float32 for the float32 arithmetic that uses it (`_meeting_held`).
         wide = ev.as_weights(invals)
-        return _in_float32(ev, eqn, wide, half or _half_among(_avals(eqn.outvars)))
+        outs = _in_float32(ev, eqn, wide, half or _half_among(_avals(eqn.outvars)))
+        return _weights_if_from_weights(ev, eqn, wide, outs)
     if held:
         return _meeting_held(ev, eqn, invals)
     if half is not None and _sums_in_transpose(eqn, invals):
         return _adding_in_float32(eqn, invals)
-    outs = _bind(eqn, invals)
-    if _from_weights(ev, eqn, invals):
-        for out in outs:  # still a weight: its cast to 16 bits is a weight's (`_at_use_convert`)
-            if _is_float(out) and out.dtype == _FLOAT32:
-                ev.add_weight(out)
-    return outs
+    return _weights_if_from_weights(ev, eqn, invals, _bind(eqn, invals))
 
 
-def _from_weights(ev: _Evaluation, eqn: Any, invals: list) -> bool:
-    """`cast_at_use`: whether `eqn`'s floating operands are float32 weights and constants
-    alone, at least one a weight (a norm's statistic of an embedding's rows, before any
-    activation)."""
+def _weights_if_from_weights(ev: _Evaluation, eqn: Any, invals: list, outs: list) -> list:
+    """`cast_at_use`: `outs`, each float32 one recorded as a weight where `eqn`'s floating
+    operands are float32 weights and constants alone, at least one a weight (a norm's statistic
+    of an embedding's rows, before any activation): its cast to 16 bits is then a weight's
+    (`_at_use_convert`), and the float32 arithmetic on it stays float32."""
     weights = False
     for var, x in zip(eqn.invars, invals, strict=True):
         if not _is_float(x) or isinstance(var, Literal):
             continue
         if not ev.is_weight(x):
-            return False
+            return outs
         weights = True
-    return weights
+    if weights:
+        for out in outs:
+            if _is_float(out) and out.dtype == _FLOAT32:
+                ev.add_weight(out)
+    return outs
 
 
 def _weight_arithmetic(ev: _Evaluation, eqn: Any, invals: list) -> list | None:
