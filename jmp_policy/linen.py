@@ -13,7 +13,6 @@ back in their own dtype (float32).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 from collections.abc import Mapping
@@ -22,7 +21,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.core import unfreeze
 
 from jmp_policy import matmul
@@ -39,7 +37,6 @@ from jmp_policy._flax.layers import (
     note_matmul_layer,
     recomputed,
     recomputes,
-    take_over_matmul,
     warning_if_head_in_low_precision,
 )
 from jmp_policy._flax.linen_paths import Paths, params_and_rest
@@ -142,18 +139,6 @@ class MixedPrecisionModule:
             cast = casting_policy(policy)
             linen_compute_in(module, cast.compute_dtype)
             linen_softmax_in_float32(module, cast)
-            out_dtype = (
-                None  # a float8 policy's layers are float8's (`fp8_dot_for`)
-                if policy.compute_dtype.itemsize == 1
-                else take_over_matmul(
-                    module,
-                    cast.compute_dtype,
-                    self.reduce_dtype,
-                    self.accumulate_dtype,
-                    object.__setattr__,
-                    lookup=context.method_name == "__call__",
-                )
-            )
             outer = casting_policy(self._stack[-1] if self._stack else self.policy)
             recompute = context.method_name == "__call__" and recomputes(
                 module, NORMS_IN_FLOAT32, cast, outer
@@ -162,17 +147,11 @@ class MixedPrecisionModule:
             try:
                 with island_scope(self.overrides.own_policy(path, module), cast.compute_dtype):
                     if recompute:
-                        bias = matmul.Bias()  # a norm: nothing left to add
                         out = self._recomputed(module, cast, outer.compute_dtype, args, kwargs)
                     else:
-                        with _layer_casting_inside(out_dtype) as bias:
-                            out = next_fun(
-                                *cast.cast_to_compute(args), **cast.cast_to_compute(kwargs)
-                            )
+                        out = next_fun(*cast.cast_to_compute(args), **cast.cast_to_compute(kwargs))
             finally:
                 self._stack.pop()
-            if out_dtype is not None:
-                out = cast.with_compute_dtype(out_dtype).cast_to_compute(bias.add_to(out))
             if path and args and not isinstance(module.parent, nn.Module):
                 out = carry_keeps_its_dtype(args[0], out)
             return out
@@ -326,11 +305,11 @@ class MixedPrecisionModule:
 
     def _at_use_program(self, key, paths: Paths, variables, method, mutable):
         """The `autocast.cast_at_use` program of the call (traced once, kept for later
-        calls), where a module whose matmuls are not taken over (`nn.Einsum`,
-        `nn.ConvTranspose`, a module's own `x @ self.param(...)`) owns a parameter and
-        computes in 16 bits, with gradients to be summed in float32 (`reduce_dtype`): the
-        parameters are cast inside the program where each is used, so a matmul on one takes
-        it in float32 and its gradient is made and summed in float32. None where none does.
+        calls), where a module computes in 16 bits: the float32 list held in the model's own
+        code, each matmul's sum in `accumulate_dtype`, and where a 16-bit module owns a
+        parameter and gradients are to be summed in float32 (`reduce_dtype`), the parameters
+        cast inside the program where each is used, so a matmul on one takes it in float32
+        and its gradient is made and summed in float32. None where no module is 16-bit.
         """
         if not paths.in_half(self.policy):
             return None
@@ -341,6 +320,7 @@ class MixedPrecisionModule:
                     paths, method, mutable, {**rest, "params": params}, args, kwargs
                 ),
                 weights_in_float32=paths.casts_own_weights(variables, self.reduce_dtype),
+                accumulate_dtype=self.accumulate_dtype,
             )
         return self._at_use[program]
 
@@ -355,19 +335,6 @@ class MixedPrecisionModule:
                     variables, *args, method=method, mutable=mutable, **kwargs
                 )
             )
-
-
-@contextlib.contextmanager
-def _layer_casting_inside(out_dtype: np.dtype | None):
-    """Around a layer `take_over_matmul` took over (`out_dtype` set): its bias is left
-    for the caller to add (`matmul.adding_bias_after`); where Flax adds it itself (a layer
-    whose bias is not over the trailing axes), it adds a float32 bias to the matmul's
-    result under standard promotion."""
-    if out_dtype is None:
-        yield matmul.Bias()
-        return
-    with jax.numpy_dtype_promotion("standard"), matmul.adding_bias_after() as bias:
-        yield bias
 
 
 def _call_key(method, args, kwargs) -> Any:
@@ -403,15 +370,18 @@ def mixed_precision(
         `NORMS_IN_FLOAT32` (LayerNorm, BatchNorm, GroupNorm, RMSNorm,
         InstanceNorm in float32). Extend it with
         `{**NORMS_IN_FLOAT32, "head": jmp_policy.get_policy("float32")}`.
-      reduce_dtype: float32 (default): under a half compute dtype, `Dense`,
-        `DenseGeneral` and `Conv` cast their kernel inside their matmul
-        (`jmp_policy.matmul`), so kernel and bias gradients are made, and
-        summed across devices, in float32, and `Embed` gathers float32 rows;
-        parameters of Flax's layers are cast where each layer uses them.
+      reduce_dtype: float32 (default): under a half compute dtype, the model
+        runs under `jmp_policy.autocast.cast_at_use`: every matmul or conv on
+        a parameter (Flax's layers and your own `x @ w` alike) takes it in
+        float32 and casts it inside the op (`jmp_policy.matmul`), so weight
+        and bias gradients are made, and summed across devices, in float32,
+        and an embedding's rows are gathered in float32.
         None: gradients in the compute dtype (half the bytes on the wire).
-      accumulate_dtype: e.g. float32: those matmuls return their sum in
+      accumulate_dtype: e.g. float32: each 16-bit matmul returns its sum in
         this dtype (`preferred_element_type`), the bias is added in it, and
-        the layer's output stays in it. None (default): the compute dtype.
+        the arithmetic after it stays in it until an operation takes it back
+        in the compute dtype (the next matmul). None (default): the compute
+        dtype.
       fp8_scaling: under a float8 policy, "tensorwise" (current scaling, the
         default) or a `jmp_policy.fp8.DelayedScaling` recipe ("delayed": the
         default one): each float8 layer keeps its scales and amax histories in

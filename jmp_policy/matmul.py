@@ -23,17 +23,16 @@ weight is cast again in the backward pass rather than kept, so under FSDP or
 in that dtype (`preferred_element_type`) instead of rounding it to the compute
 dtype, for the bias add and whatever follows (flax#4890).
 
-The Flax integrations (`linen.mixed_precision`, `nnx.mixed_precision`) and
-`autocast` use these for every Dense/Conv-like layer and every matmul on a
-float32 operand, unless given `reduce_dtype=None`.
+`autocast` and the Flax integrations (`linen.mixed_precision`,
+`nnx.mixed_precision`, whose models run under `autocast.cast_at_use`) multiply
+through `mixed` wherever a matmul or conv takes a float32 weight, unless given
+`reduce_dtype=None`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,9 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_policy._autocast.activations import WEIGHT, kind_of_dtype, meet, weight_at_use
 from jmp_policy._core import jaxpr as _jaxpr
-from jmp_policy._core.compat import einsum_with_dot_general, linen_promote_dtype
 from jmp_policy._core.interpreter import RuleSet
 from jmp_policy.policy import normalise_dtype
 
@@ -229,10 +226,6 @@ class _Mixed:
         return self.accumulate_dtype if preferred_element_type is None else preferred_element_type
 
 
-MixedOp = _Mixed
-"""The base class of `MixedDotGeneral` and `MixedConvGeneralDilated`."""
-
-
 class MixedDotGeneral(_Mixed):
     """A drop-in for `lax.dot_general` (and Flax's `dot_general=`): see the module docstring."""
 
@@ -261,20 +254,6 @@ class MixedConvGeneralDilated(_Mixed):
 
         accumulate = self._accumulate(preferred_element_type)
         return mixed(op, self.compute_dtype, accumulate, lhs, rhs)
-
-
-class MixedEinsum(_Mixed):
-    """A drop-in for `jnp.einsum` (NNX `Einsum`'s `einsum_op=`) whose contractions run
-    through `MixedDotGeneral`."""
-
-    def __call__(self, *operands, preferred_element_type=None, **kwargs):
-        # The result's dtype is said explicitly: jnp.einsum would otherwise ask for the
-        # operands' promoted one (float32, the kernel's).
-        out = preferred_element_type or self.accumulate_dtype or self.compute_dtype
-        dot = MixedDotGeneral(self.compute_dtype, self.accumulate_dtype)
-        return einsum_with_dot_general(
-            *operands, dot_general=dot, preferred_element_type=out, **kwargs
-        )
 
 
 def dot_general(compute_dtype: Any, accumulate_dtype: Any = None) -> MixedDotGeneral:
@@ -312,125 +291,6 @@ def conv_general_dilated(
 
 def _optional(value: Any) -> np.dtype | None:
     return None if value is None else normalise_dtype(value, "accumulate_dtype")
-
-
-# The hooks of Flax's layers this module fills (Linen and NNX), with Flax's defaults.
-FLAX_DEFAULTS: dict[str, Callable] = {
-    "dot_general": lax.dot_general,
-    "conv_general_dilated": lax.conv_general_dilated,
-    "einsum_op": jnp.einsum,
-}
-_OPS: dict[str, type] = {
-    "dot_general": MixedDotGeneral,
-    "conv_general_dilated": MixedConvGeneralDilated,
-    "einsum_op": MixedEinsum,
-}
-
-
-def take_over(
-    module: Any,
-    hook: str,
-    compute: np.dtype,
-    reduce_dtype: Any,
-    accumulate: Any,
-    set_attr: Callable = setattr,
-    bias_after: bool = False,
-) -> np.dtype | None:
-    """Gives a Flax layer (Linen or NNX) this module's op for `hook` ("dot_general",
-    "conv_general_dilated" or "einsum_op") and, with a `reduce_dtype`, a `promote_dtype`
-    that leaves its weights as stored; returns the dtype its output is cast to, or None
-    where the layer is left as it is (no such hook in this Flax release, or the user's
-    own op or float8's there).
-
-    `bias_after`: the layer's bias is one over its output's trailing axes (Dense, Conv, a
-    DenseGeneral without batch axes); with a `reduce_dtype` it is then added by the caller,
-    which runs the layer inside `adding_bias_after` (`promote_bias_after`)."""
-    if not hasattr(module, hook):
-        return None
-    if getattr(module, hook) not in (None, FLAX_DEFAULTS[hook]) or (
-        getattr(module, f"{hook}_cls", None) is not None
-    ):
-        return None
-    set_attr(module, hook, _OPS[hook](compute, accumulate))
-    if reduce_dtype is not None:
-        set_attr(module, "promote_dtype", promote_bias_after if bias_after else promote_inputs_only)
-    return accumulate or compute
-
-
-def _values(args: tuple) -> list:
-    # Linen's layers call `promote_dtype(a, b, c, dtype=...)`, NNX's `promote_dtype((a, b, c))`.
-    return list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else list(args)
-
-
-def promote_inputs_only(*args: Any, dtype: Any = None, inexact: bool = True) -> list:
-    """A Flax `promote_dtype` for a layer whose matmul casts its own weights (a
-    `MixedDotGeneral`/`MixedConvGeneralDilated`): the inputs (the first value) go to
-    `dtype`; the kernel and bias stay as stored, so their gradients stay float32."""
-    del inexact
-    values = _values(args)
-    if dtype is not None and values and values[0] is not None:
-        values[0] = jnp.asarray(values[0], dtype)
-    return values
-
-
-class Bias:
-    """Where `promote_bias_after` leaves a layer's bias for `adding_bias_after`."""
-
-    def __init__(self):
-        self.value: Any = None
-
-    def add_to(self, out: Any) -> Any:
-        """`out` plus the bias left here (none: `out`). The bias is reshaped over the trailing
-        axes, as Flax's layers reshape it, and meets the output as `activations.meet` says: a
-        float32 bias added to a half-precision output is broadcast in float32 and cast to
-        it there (`activations.weight_at_use`), so the add runs in half precision and the
-        bias gradient is summed over the batch, and across devices, in float32."""
-        bias = self.value
-        if bias is None:
-            return out
-        bias = jnp.reshape(bias, (1,) * (out.ndim - bias.ndim) + bias.shape)
-        dtype, _ = meet([out.dtype, bias.dtype], [kind_of_dtype(out.dtype, None), WEIGHT])
-        return out.astype(dtype) + weight_at_use(bias, dtype, out.shape)
-
-
-_PENDING = threading.local()
-
-
-@contextlib.contextmanager
-def adding_bias_after() -> Iterator[Bias]:
-    """Around one call of a layer given `promote_bias_after`: the layer adds a zero, and the
-    bias it would have added is left in the yielded slot for `add_to`."""
-    slots = _PENDING.__dict__.setdefault("slots", [])
-    slot = Bias()
-    slots.append(slot)
-    try:
-        yield slot
-    finally:
-        slots.pop()
-
-
-def promote_bias_after(*args: Any, dtype: Any = None, inexact: bool = True) -> list:
-    """`promote_inputs_only` for a layer whose bias the caller adds (`adding_bias_after`):
-    the bias goes to the caller's slot and the layer is given zeros in its place. Called
-    outside such a slot, it is `promote_inputs_only` (the layer adds its float32 bias)."""
-    values = promote_inputs_only(*args, dtype=dtype, inexact=inexact)
-    slots = getattr(_PENDING, "slots", None)
-    if dtype is None or not slots or slots[-1].value is not None:
-        return values
-    if len(values) == 3 and values[2] is not None:
-        slots[-1].value = values[2]
-        values[2] = jnp.zeros(jnp.shape(values[2]), dtype)
-    return values
-
-
-def promote_for_lookup(*args: Any, dtype: Any = None, inexact: bool = True) -> list:
-    """A Flax `promote_dtype` for `Embed`: the table alone (a lookup) stays as stored, so
-    the rows are gathered in float32 and their gradient is scattered in float32 (the
-    caller casts the rows); with a query (`attend`), everything is cast as Flax does."""
-    values = _values(args)
-    if len(values) == 1:
-        return values
-    return list(linen_promote_dtype()(*values, dtype=dtype, inexact=inexact))
 
 
 def check_reduce_dtype(value: Any) -> np.dtype | None:

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jmp_policy import matmul
 from jmp_policy._core import jaxpr as _jaxpr
-from jmp_policy._core.compat import nnx_promote_dtype, set_variable_value, variable_value
+from jmp_policy._core.compat import set_variable_value, variable_value
 from jmp_policy._core.naming import module_path
 from jmp_policy._core.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy._core.pytree import ByEquality, signature
@@ -36,7 +36,6 @@ from jmp_policy._flax.layers import (
     note_matmul_layer,
     recomputed,
     recomputes,
-    take_over_matmul,
     warning_if_head_in_low_precision,
 )
 from jmp_policy._flax.nnx_skip import revert_if_skipped as revert_if_skipped  # public here
@@ -66,9 +65,10 @@ class _Once:
 class _AtUse:
     """The model's `autocast.cast_at_use` programs, one per graph (a static attribute)."""
 
-    def __init__(self, weights_in_float32: bool):
+    def __init__(self, weights_in_float32: bool, accumulate: Any = None):
         self.programs = ByEquality()  # one per graph definition
         self.weights_in_float32 = weights_in_float32
+        self.accumulate = accumulate
 
     def call(self, model, scoped, args, kwargs, check: bool = False):
         """`scoped(model, *args, **kwargs)` with each weight cast where it is used, and the
@@ -78,7 +78,9 @@ class _AtUse:
         program: Any = self.programs.get(
             graphdef,
             lambda: cast_at_use(
-                _functional(graphdef, scoped), weights_in_float32=self.weights_in_float32
+                _functional(graphdef, scoped),
+                weights_in_float32=self.weights_in_float32,
+                accumulate_dtype=self.accumulate,
             ),
         )
         if check:
@@ -133,7 +135,6 @@ def _subclass(cls: type, role: str) -> type:
     if (base, role) not in _CLASSES:
 
         def scoped(self, *args, **kwargs):
-            out_dtype = getattr(self, "_jmp_policy_out_dtype", None)
             island = getattr(self, "_jmp_policy_recompute", None)
             inputs = getattr(self, "_jmp_policy_inputs", None)
             if inputs is not None:
@@ -145,19 +146,11 @@ def _subclass(cls: type, role: str) -> type:
                 if island is not None:
                     cast, back_to = island
                     return _recomputed(self, base, cast, back_to, args, kwargs)
-                if out_dtype is None:
-                    with _own_params_cast(self):
-                        out = base.__call__(self, *args, **kwargs)
-                    if inputs is None and args:  # not an island itself
-                        out = block_keeps_its_dtype(args[0], out, self._jmp_policy_compute)
-                    return out
-                # A layer that casts its weights inside its matmul (`jmp_policy.matmul`): its
-                # bias is added after it (`matmul.adding_bias_after`), or where Flax adds it
-                # (not over the trailing axes), as float32 under standard promotion.
-                scopes.enter_context(jax.numpy_dtype_promotion("standard"))
-                bias = scopes.enter_context(matmul.adding_bias_after())
-                out = base.__call__(self, *args, **kwargs)
-            return cast_floating(bias.add_to(out), out_dtype)
+                with _own_params_cast(self):
+                    out = base.__call__(self, *args, **kwargs)
+                if inputs is None and args:  # not an island itself
+                    out = block_keeps_its_dtype(args[0], out, self._jmp_policy_compute)
+                return out
 
         def root(self, *args, **kwargs):
             policy = self._jmp_policy_root
@@ -221,14 +214,18 @@ def mixed_precision(
       overrides: `{module class | glob path pattern | compiled regex: Policy}`;
         paths join attribute names with "/" (e.g. "blocks/0/attn"). They
         also choose which layers run in float8. Default: `NORMS_IN_FLOAT32`.
-      reduce_dtype: float32 (default): under a half compute dtype, `Linear`,
-        `LinearGeneral`, `Conv` and `Einsum` cast their kernel inside their matmul
-        (`jmp_policy.matmul`), so kernel and bias gradients are made, and
-        summed across devices, in float32, and `Embed` gathers float32 rows.
+      reduce_dtype: float32 (default): under a half compute dtype, the model
+        runs under `jmp_policy.autocast.cast_at_use`: every matmul or conv on
+        a parameter (Flax's layers and your own `x @ w` alike) takes it in
+        float32 and casts it inside the op (`jmp_policy.matmul`), so weight
+        and bias gradients are made, and summed across devices, in float32,
+        and an embedding's rows are gathered in float32.
         None: gradients in the compute dtype (half the bytes on the wire).
-      accumulate_dtype: e.g. float32: those matmuls return their sum in this
-        dtype (`preferred_element_type`), the bias is added in it, and the
-        layer's output stays in it. None (default): the compute dtype.
+      accumulate_dtype: e.g. float32: each 16-bit matmul returns its sum in
+        this dtype (`preferred_element_type`), the bias is added in it, and
+        the arithmetic after it stays in it until an operation takes it back
+        in the compute dtype (the next matmul). None (default): the compute
+        dtype.
       fp8_scaling: under a float8 policy, "tensorwise" (current scaling, the
         default) or a `jmp_policy.fp8.DelayedScaling` recipe ("delayed": the
         default one): each float8 layer's `dot_general` becomes a submodule
@@ -281,22 +278,13 @@ def mixed_precision(
     resolved: dict[tuple[str, ...], Policy] = {}
     scoped: set[tuple[str, ...]] = {()}  # modules whose calls open a name scope
     at_use = False  # a module computes in 16 bits: the float32 list in the model's own code
-    weights_at_use = False  # a 16-bit layer casts its own weights, its matmul not taken over
+    weights_at_use = False  # a 16-bit module owns a weight: each matmul on it takes it in float32
     for path in sorted(modules, key=len):  # parents before children
         module = modules[path]
         parent = max((p for p in resolved if path[: len(p)] == p), key=len, default=())
         own = rules.own_policy(path, module)
         resolved[path] = own or resolved.get(parent, policy)
-        _take_back_hooks(module)
         _apply_to_module(module, resolved[path], path, delayed)
-        out_dtype = (
-            None  # a float8 policy's layers are float8's (`fp8_dot_for`)
-            if resolved[path].compute_dtype.itemsize == 1
-            else take_over_matmul(
-                module, resolved[path].compute_dtype, reduce_dtype, accumulate_dtype
-            )
-        )
-        object.__setattr__(module, "_jmp_policy_out_dtype", out_dtype)
         # A float32 normalisation layer inside a half-precision model keeps only its
         # half-precision input for the backward pass (`_recomputed`).
         island = casting_policy(resolved[path])
@@ -325,10 +313,7 @@ def mixed_precision(
             island.compute_dtype if own_params and sixteen else None,
         )
         weights_at_use = weights_at_use or (
-            reduce_dtype is not None
-            and out_dtype is None
-            and (hasattr(module, "promote_dtype") or own_params)
-            and half
+            reduce_dtype is not None and half and bool(_own_floating_params(module))
         )
         at_use = at_use or island.compute_dtype.itemsize == 2  # float8's compute in bfloat16
         # The scope continues the nearest scoped ancestor's: containers without a
@@ -345,10 +330,10 @@ def mixed_precision(
     object.__setattr__(model, "_jmp_policy_root", casting_policy(resolved[()]))
     object.__setattr__(model, "_jmp_policy_checked", _Once())
     # The model runs under `autocast.cast_at_use`: the float32 list holds in its own code
-    # (segment sums, exp, log: `jmp_policy._core.rules.FLOAT32`), and the weights of
-    # nnx.ConvTranspose and other layers without a matmul hook have their gradients made in
-    # float32 too.
-    at_use_program = _AtUse(weights_at_use) if at_use else None
+    # (segment sums, exp, log: `jmp_policy._core.rules.FLOAT32`), each matmul or conv on a
+    # weight takes it in float32 (its gradient made in float32), and each 16-bit matmul
+    # returns its sum in `accumulate_dtype`.
+    at_use_program = _AtUse(weights_at_use, accumulate_dtype) if at_use else None
     object.__setattr__(model, "_jmp_policy_at_use", at_use_program)
     model.__class__ = _subclass(type(model), "root")
     return model
@@ -424,20 +409,6 @@ def _apply_to_module(
     for value in vars(module).values():
         if isinstance(value, nnx.Param):
             set_variable_value(value, policy.cast_to_param(variable_value(value)))
-
-
-def _take_back_hooks(module: nnx.Module) -> None:
-    """Flax's defaults back where `take_over_matmul` set hooks, so calling
-    `mixed_precision` again with another policy starts from the model as written."""
-    for hook, default in matmul.FLAX_DEFAULTS.items():
-        if isinstance(getattr(module, hook, None), matmul.MixedOp):
-            setattr(module, hook, default)
-    if getattr(module, "promote_dtype", None) in (
-        matmul.promote_inputs_only,
-        matmul.promote_bias_after,
-        matmul.promote_for_lookup,
-    ):
-        setattr(module, "promote_dtype", nnx_promote_dtype())  # noqa: B010
 
 
 _ABSENT = object()

@@ -5,10 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_policy._core.compat import (
-    einsum_with_dot_general,
     eval_jaxpr,
-    linen_promote_dtype,
-    nnx_promote_dtype,
     source_info,
     staged_trace,
 )
@@ -52,32 +49,6 @@ def test_eval_jaxpr_binds_a_program_in_the_callers_trace():
     # Inside another trace it binds the same equations there.
     traced = jax.make_jaxpr(lambda x: eval_jaxpr(program.jaxpr, program.consts, x))(1.0)
     assert [e.primitive.name for e in traced.eqns] == ["sin", "mul"]
-
-
-def test_einsum_calls_the_dot_general_it_is_given():
-    calls = []
-
-    def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        calls.append(dimension_numbers)
-        return jax.lax.dot_general(
-            lhs, rhs, dimension_numbers, precision, preferred_element_type=preferred_element_type
-        )
-
-    out = einsum_with_dot_general("ij,jk->ik", jnp.ones((2, 3)), jnp.ones((3, 4)), dot_general=dot)
-    assert out.shape == (2, 4) and float(out[0, 0]) == 3.0 and len(calls) == 1
-
-
-def test_flax_promote_dtype_of_both_apis_is_where_the_integrations_read_it():
-    from flax import linen as nn
-    from flax import nnx
-
-    x, w = jnp.ones(2, jnp.float32), jnp.ones(2, jnp.bfloat16)
-    a, b = linen_promote_dtype()(x, w, dtype=jnp.bfloat16)  # Linen's takes the values
-    c, d = nnx_promote_dtype()((x, w), dtype=jnp.bfloat16)  # NNX's a tuple of them
-    assert a.dtype == b.dtype == c.dtype == d.dtype == jnp.bfloat16
-    # The defaults Flax's layers hold: what `nnx.mixed_precision` puts back.
-    assert nnx.Linear(2, 2, rngs=nnx.Rngs(0)).promote_dtype is nnx_promote_dtype()
-    assert nn.Dense.promote_dtype is linen_promote_dtype()
 
 
 def test_is_staged_sees_a_program_under_grad_and_vmap_and_not_an_eager_transform():

@@ -168,7 +168,6 @@ def test_accumulate_dtype_returns_float32_sums_in_every_integration(name):
     _, half = _integrations("mixed_float16")[name]
     x = _values(5, (4, 8))
     forward = _matmul_outputs(apply, params, x)
-    print(forward)
     assert forward and all(str(out) == "float32" for out, _ in forward)
     assert all(str(out) == "float16" for out, _ in _matmul_outputs(half, params, x))
     assert all(str(inp) == "float16" for _, inp in forward)  # operands still half

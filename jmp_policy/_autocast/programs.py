@@ -211,7 +211,10 @@ def _at_use_matmul(ev: _Evaluation, eqn: Any, invals: list) -> list:
         and preferred is not None
         and jnp.finfo(preferred).bits > jnp.finfo(compute).bits
     )
-    if compute is None or not (any(f is not None for f in found) or wider):
+    # `accumulate_dtype`: the sum returned in it, held (the bias added to it) until an
+    # operation takes it back in 16 bits.
+    accumulate = ev.rules.accumulate if compute is not None else None
+    if compute is None or not (any(f is not None for f in found) or wider or accumulate):
         return _bind(eqn, invals)
     lhs, rhs = [x if f is None else f[1] for x, f in zip(invals, found, strict=True)]
 
@@ -229,7 +232,10 @@ def _at_use_matmul(ev: _Evaluation, eqn: Any, invals: list) -> list:
 
     with _source_context(eqn):
         dot = dot_of(eqn.primitive, params)
-        out = mixed(op, compute, preferred if wider else None, lhs, rhs, dot)
+        out = mixed(op, compute, accumulate or (preferred if wider else None), lhs, rhs, dot)
+    if accumulate is not None:
+        ev.record([out], ISLAND)
+        return [out]
     return [_cast(out, eqn.outvars[0].aval.dtype)]
 
 

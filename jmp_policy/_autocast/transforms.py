@@ -220,7 +220,9 @@ def autocast(
     )
 
 
-def cast_at_use(fun: Callable, *, weights_in_float32: bool = True) -> Callable:
+def cast_at_use(
+    fun: Callable, *, weights_in_float32: bool = True, accumulate_dtype: Any = None
+) -> Callable:
     """`fun(weights, *args, **kwargs)` as written, except that each matmul or conv
     (`dot_general`, `conv_general_dilated`) on a float32 leaf of `weights` cast to 16 bits
     takes the float32 leaf and casts it inside the op (`jmp_policy.matmul.mixed`): the
@@ -238,9 +240,17 @@ def cast_at_use(fun: Callable, *, weights_in_float32: bool = True) -> Callable:
     scatter-add, exp, log, powers, a cumulative sum) computes in float32 from 16-bit operands
     and hands its result back in the dtype it was traced with; a gather of 16-bit values adds
     its backward pass (a scatter-add) in float32. `weights_in_float32=False` (a policy's
-    `reduce_dtype=None`): only that; the weights' casts are left as they are."""
+    `reduce_dtype=None`): only that; the weights' casts are left as they are.
+    `accumulate_dtype` (e.g. float32): each 16-bit matmul returns its sum in it, held for the
+    arithmetic that follows (a bias add) until an operation takes it back in 16 bits."""
     rules = _Rules(
-        _FLOAT32, _FLOAT32, frozenset(), frozenset(), reduce=weights_in_float32, at_use=True
+        _FLOAT32,
+        _FLOAT32,
+        frozenset(),
+        frozenset(),
+        reduce=weights_in_float32,
+        accumulate=None if accumulate_dtype is None else np.dtype(accumulate_dtype),
+        at_use=True,
     )
     return _Autocast(fun, rules, (), (), cast_inputs=False, region_name=_CAST_AT_USE)
 

@@ -153,26 +153,3 @@ except ImportError:  # pragma: no cover
 
 # `jax.core.eval_jaxpr`: a program's equations bound in the caller's trace (names kept).
 from jax.core import eval_jaxpr as eval_jaxpr  # noqa: E402
-
-
-def einsum_with_dot_general(*operands: Any, dot_general: Any, **kwargs: Any) -> Any:
-    """`jnp.einsum` whose contractions call `dot_general` (its private `_dot_general`
-    keyword: what Flax's `nnx.Einsum` also passes)."""
-    import jax.numpy as jnp
-
-    return jnp.einsum(*operands, _dot_general=dot_general, **kwargs)
-
-
-def linen_promote_dtype() -> Any:
-    """Flax's `promote_dtype` of Linen layers (`flax.linen.dtypes`)."""
-    from flax.linen.dtypes import promote_dtype
-
-    return promote_dtype
-
-
-def nnx_promote_dtype() -> Any:
-    """Flax's `promote_dtype` of NNX layers (`flax.nnx.nn.dtypes`), the default of their
-    `promote_dtype` field."""
-    from flax.nnx.nn.dtypes import promote_dtype
-
-    return promote_dtype

@@ -1,9 +1,9 @@
 """What the Linen and NNX integrations do to Flax's own layers, in one place: which layers
 run in float32 (`LINEN_NORMS`, `NNX_NORMS`: the default overrides) and as recomputed islands
-(`recomputes`, `recomputed`), whose matmuls `jmp_policy.matmul` takes over and how
-(`take_over_matmul`), attention's float32 softmax (`attention_with_float32_softmax`) and the
-float8 layers (`fp8_dot_for`). `linen.py` and `nnx.py` read these; what differs between the two
-is only how each reaches a module (a Linen clone, an NNX object)."""
+(`recomputes`, `recomputed`), attention's float32 softmax (`attention_with_float32_softmax`)
+and the float8 layers (`fp8_dot_for`). `linen.py` and `nnx.py` read these; what differs between
+the two is only how each reaches a module (a Linen clone, an NNX object). Matmuls are the
+engine's (`autocast.cast_at_use`): no hook of Flax's is filled for a 16-bit matmul."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmp_policy import matmul
 from jmp_policy._autocast.activations import softmax_in_float32
 from jmp_policy._core.overrides import is_compute_dtype
 from jmp_policy._core.pytree import split_traced
@@ -38,49 +37,6 @@ LINEN_NORMS = (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm, nn.Instance
 NNX_NORMS = (nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm, nnx.InstanceNorm)
 """Flax's normalisation layers: they compute in float32 (`NORMS_IN_FLOAT32`, the default
 overrides) and run as recomputed islands inside a 16-bit model."""
-
-_MATMUL_HOOKS = (
-    ((nn.Dense, nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral), "dot_general"),
-    ((nn.Conv, nnx.Conv), "conv_general_dilated"),
-    ((nnx.Einsum,), "einsum_op"),
-)
-LOOKUPS = (nn.Embed, nnx.Embed)
-TAKEN_OVER = (*(c for classes, _ in _MATMUL_HOOKS for c in classes), *LOOKUPS)
-"""Layers whose matmul (or lookup) `take_over_matmul` takes over."""
-
-
-def take_over_matmul(
-    module: Any,
-    compute: np.dtype,
-    reduce_dtype: Any,
-    accumulate: Any,
-    set_attr: Callable = setattr,
-    lookup: bool = True,
-) -> np.dtype | None:
-    """Flax's Dense/Linear, DenseGeneral/LinearGeneral, Conv and NNX's Einsum multiply through
-    `jmp_policy.matmul` (the kernel cast inside the matmul, its gradient made and summed
-    across devices in float32), and Embed gathers float32 rows (`lookup`: the call is one);
-    returns the dtype the layer's output is cast to, None for a layer left as Flax wrote it.
-    A bias over the output's trailing axes is added after the layer
-    (`matmul.promote_bias_after`). `set_attr` sets a field (a Linen clone's needs
-    `object.__setattr__`)."""
-    if compute == jnp.float32 or (reduce_dtype is None and accumulate is None):
-        return None
-    if not hasattr(module, "promote_dtype"):
-        return None
-    if isinstance(module, LOOKUPS):
-        if not lookup or reduce_dtype is None:
-            return None
-        set_attr(module, "promote_dtype", matmul.promote_for_lookup)
-        return compute
-    hook = next((h for classes, h in _MATMUL_HOOKS if isinstance(module, classes)), None)
-    if hook is None:
-        return None
-    trailing = hook != "einsum_op" and not (
-        getattr(module, "batch_dims", ()) or getattr(module, "batch_axis", None)
-    )
-    return matmul.take_over(module, hook, compute, reduce_dtype, accumulate, set_attr, trailing)
-
 
 # One float8 op per format, told apart from a user's by identity.
 _POLICY_FP8_DOTS = {fmt: Fp8DotGeneral(fmt) for fmt in ("hybrid", *BLOCK_FORMATS.values())}

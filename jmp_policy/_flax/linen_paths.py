@@ -1,7 +1,7 @@
 """What a run of a Linen model under a policy showed about its modules (`Paths`): each
-module path's policy, which layers cast their own parameters, which modules' matmuls are not
-taken over. A first call without an earlier run learns them from one abstract recording run
-(`MixedPrecisionModule._learn_paths`), not from the parameters' names."""
+module path's policy and which layers cast their own parameters. A first call without an
+earlier run learns them from one abstract recording run (`MixedPrecisionModule._learn_paths`),
+not from the parameters' names."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jmp_policy._flax.layers import TAKEN_OVER
 from jmp_policy.policy import Policy, cast_floating, casting_policy, is_floating_array
 
 
@@ -29,19 +28,15 @@ def params_and_rest(variables: dict) -> tuple[Any, dict]:
 class Paths:
     """What a run of the model showed: the policy of each module path it reached, the paths
     of Flax layers that cast their own parameters where they use them (a `promote_dtype`
-    field: their parameters are not cast before the call), and the paths of modules whose
-    matmuls are not taken over (not `_flax_layers.TAKEN_OVER`)."""
+    field: their parameters are not cast before the call)."""
 
     policies: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
     cast_at_use: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
-    not_taken_over: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
 
     def note(self, path: tuple[str, ...], module: nn.Module, policy: Policy) -> None:
         self.policies[path] = policy
         if "promote_dtype" in getattr(module, "__dataclass_fields__", {}):
             self.cast_at_use.add(path)
-        if not isinstance(module, TAKEN_OVER):
-            self.not_taken_over.add(path)
 
     def owner(self, module_path: tuple[str, ...]) -> tuple[str, ...] | None:
         """The innermost recorded module at or above `module_path`: the one owning its
@@ -78,15 +73,15 @@ class Paths:
         return any(casting_policy(p).compute_dtype.itemsize == 2 for p in policies)
 
     def casts_own_weights(self, variables: dict, reduce_dtype: Any) -> bool:
-        """Whether a 16-bit module whose matmuls are not taken over owns a parameter (its
-        weights then go into `cast_at_use` in float32, `reduce_dtype` set)."""
+        """Whether a 16-bit module owns a parameter (the weights then go into `cast_at_use` in
+        float32, `reduce_dtype` set, each matmul on one taking it in float32)."""
         if reduce_dtype is None or "params" not in variables:
             return False
         leaves = jax.tree_util.tree_leaves_with_path(variables["params"])
         owners = {self.owner(keys_of(path)[:-1]) for path, _ in leaves}
         # 16 bits; a float8 policy's layers are left as they are (`fp8_dot_for`).
         return any(
-            owner in self.not_taken_over and self.policies[owner].compute_dtype.itemsize == 2
+            owner is not None and self.policies[owner].compute_dtype.itemsize == 2
             for owner in owners
         )
 
