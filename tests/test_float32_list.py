@@ -98,9 +98,9 @@ def test_the_models_own_log_softmax_sums_and_segment_sums_run_in_float32(integra
     assert report_of_jaxpr(jax.make_jaxpr(loss)(weights, x, segments)).half_matmul_flop_share == 1
 
 
-def _shifts_before_exp(program) -> list[str]:
-    """The dtype of each `x - max(x)` that an `exp` takes (softmax's and log-softmax's shift),
-    read through casts, in `program` and its sub-programs."""
+def _feeding(program, consumer: str) -> list:
+    """The equation that makes the first operand of each `consumer` equation, read through
+    casts (None where a program's input does), in `program` and its sub-programs."""
     from jmp_policy._core import jaxpr as _jaxpr
 
     found = []
@@ -111,16 +111,24 @@ def _shifts_before_exp(program) -> list[str]:
         for eqn in jaxpr.eqns:
             for sub in _jaxpr.sub_programs(eqn):
                 visit(sub)
-            if eqn.primitive.name != "exp":
+            if eqn.primitive.name != consumer:
                 continue
             source = made.get(eqn.invars[0])
             while source is not None and source.primitive.name == "convert_element_type":
                 source = made.get(source.invars[0])
-            if source is not None and source.primitive.name == "sub":
-                found.append(np.dtype(compute_dtype(source)).name)
+            found.append(source)
 
     visit(program)
     return found
+
+
+def _shifts_before_exp(program) -> list[str]:
+    """The dtype of each `x - max(x)` that an `exp` takes (softmax's and log-softmax's shift)."""
+    return [
+        np.dtype(compute_dtype(source)).name
+        for source in _feeding(program, "exp")
+        if source is not None and source.primitive.name == "sub"
+    ]
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -205,28 +213,12 @@ class NnxLookup(nnx.Module):
         return self.dense(_rms_norm(jnp.take(self.table[...], ids, axis=0), self.scale[...]))
 
 
-def _epsilon_sums(program) -> list[str]:
-    """The dtype of the `add` each `rsqrt` takes (a norm's variance plus its epsilon), read
-    through casts, in `program` and its sub-programs."""
-    from jmp_policy._core import jaxpr as _jaxpr
-
-    found = []
-
-    def visit(jaxpr):
-        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-        made = _jaxpr.producers(jaxpr)
-        for eqn in jaxpr.eqns:
-            for sub in _jaxpr.sub_programs(eqn):
-                visit(sub)
-            if eqn.primitive.name != "rsqrt":
-                continue
-            source = made.get(eqn.invars[0])
-            while source is not None and source.primitive.name == "convert_element_type":
-                source = made.get(source.invars[0])
-            found.append(None if source is None else np.dtype(compute_dtype(source)).name)
-
-    visit(program)
-    return found
+def _epsilon_sums(program) -> list:
+    """The dtype of what each `rsqrt` takes (a norm's variance plus its epsilon)."""
+    return [
+        None if source is None else np.dtype(compute_dtype(source)).name
+        for source in _feeding(program, "rsqrt")
+    ]
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
