@@ -171,12 +171,11 @@ def _at_use_convert(ev: _Evaluation, eqn: Any, invals: list) -> list:
     found = ev.downcast(x)
     if found is not None and to == _FLOAT32:
         # A weight's 16-bit cast cast back up (`jnp.mean`'s own float32 sum of an embedding's
-        # rows): computed on as a weight (`_weights_if_from_weights`). The cast itself, not the
-        # float32 weight: inside a float32 island the 16-bit value is what the backward pass
-        # keeps.
-        outs = _bind(eqn, invals)
-        ev.add_weight(outs[0])
-        return outs
+        # rows): the float32 weight itself, exact, and computed on as a weight
+        # (`_weights_if_from_weights`). A float32 island on it keeps that float32 value for the
+        # backward pass, as autocast's does.
+        ev.add_weight(found[1])
+        return [found[1]]
     if _held(ev, eqn, invals):
         if x.dtype == _FLOAT32 and jnp.issubdtype(to, jnp.floating) and jnp.finfo(to).bits == 16:
             return [x]
