@@ -302,7 +302,8 @@ def mixed_precision(
         # A module of the user's that multiplies its own Params (`x @ self.w + self.b`, as
         # NNX's examples write layers) has no `dtype` to set: its Params are cast to the
         # compute dtype for its call (`_own_params_cast`), as Linen's `self.param`s are.
-        own_params = not hasattr(module, "dtype") and bool(_own_floating_params(module))
+        owns_params = bool(_own_floating_params(module))
+        own_params = not hasattr(module, "dtype") and owns_params
         half = resolved[path].compute_dtype.itemsize == 2  # float8's layers are float8's
         # Under a float8 policy too, a layer without a `dtype` multiplies in bfloat16, the
         # policy's dtype for what float8 does not take (as Linen's `self.param`s are cast).
@@ -312,9 +313,7 @@ def mixed_precision(
             "_jmp_policy_own_params",
             island.compute_dtype if own_params and sixteen else None,
         )
-        weights_at_use = weights_at_use or (
-            reduce_dtype is not None and half and bool(_own_floating_params(module))
-        )
+        weights_at_use = weights_at_use or (reduce_dtype is not None and half and owns_params)
         at_use = at_use or island.compute_dtype.itemsize == 2  # float8's compute in bfloat16
         # The scope continues the nearest scoped ancestor's: containers without a
         # `__call__` (nnx.List, nnx.Dict) open none, so their names go here.

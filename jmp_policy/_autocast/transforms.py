@@ -249,7 +249,7 @@ def cast_at_use(
         frozenset(),
         frozenset(),
         reduce=weights_in_float32,
-        accumulate=None if accumulate_dtype is None else np.dtype(accumulate_dtype),
+        accumulate=check_accumulate_dtype(accumulate_dtype),
         at_use=True,
     )
     return _Autocast(fun, rules, (), (), cast_inputs=False, region_name=_CAST_AT_USE)
