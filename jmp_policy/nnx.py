@@ -4,14 +4,19 @@ NNX modules are mutable objects that know their computation dtype (`dtype`)
 and keep their parameters in `param_dtype`, so `mixed_precision(model,
 policy)` sets every submodule's `dtype` to the compute dtype of the policy it
 falls under (overrides give float32 islands), keeps the parameters stored in
-`param_dtype`, and makes the model cast its inputs to the compute dtype and its
-outputs to `output_dtype`. The state tree (parameters, batch statistics) keeps
-its structure, so checkpoints of the float32 model load unchanged.
+`param_dtype`, and returns a `MixedPrecision` wrapper that casts the model's
+inputs to the compute dtype and its outputs to `output_dtype`. Nothing else of
+the user's modules changes (no class, no attribute of ours): what a module does
+besides its `dtype` (name scopes, float32 islands recomputed in the backward
+pass) is done on the wrapper's own copy of the model for each call. The model's
+state tree (parameters, batch statistics) keeps its structure, so checkpoints of
+the float32 model load unchanged (`nnx.update(wrapped.model, state)`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -23,7 +28,7 @@ from flax import nnx
 from jmp_policy import matmul
 from jmp_policy._core import jaxpr as _jaxpr
 from jmp_policy._core.compat import set_variable_value, variable_value
-from jmp_policy._core.naming import module_path
+from jmp_policy._core.naming import SCOPED_FROM, module_path
 from jmp_policy._core.overrides import FLOAT32, FLOAT32_ISLAND, Overrides, is_compute_dtype
 from jmp_policy._core.pytree import ByEquality, signature
 from jmp_policy._core.tracing import traced_once
@@ -52,66 +57,151 @@ from jmp_policy.policy import (
 NORMS_IN_FLOAT32: Mapping[type, Policy] = types.MappingProxyType(dict.fromkeys(NNX_NORMS, FLOAT32))
 """The default overrides: Flax's normalisation layers compute in float32."""
 
-_CLASSES: dict[tuple[type, str], type] = {}
-
 
 class _Once:
-    """Which call signatures the float32 check has seen (a static attribute of the model)."""
+    """Which call signatures the float32 check has seen (static on the wrapper)."""
 
     def __init__(self):
         self.seen: set[Any] = set()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """What `mixed_precision` decided for one module, read by its calls inside the wrapper:
+    the name scopes it runs in (its attribute path below the nearest module that opens one,
+    and the float32-island marker), its compute dtype, the policy its inputs are cast by (an
+    override computing in another dtype than the model around it), the float32 island it
+    runs as, recomputed in the backward pass (a normalisation layer: (its policy, the dtype
+    its output goes back in)), and the dtype its own Params are cast to for its call (a
+    module without a `dtype` attribute that multiplies its own Params)."""
+
+    scope: tuple[str, ...]
+    compute: Any
+    inputs: Policy | None = None
+    recompute: tuple[Policy, Any] | None = None
+    own_params: Any = None
+
+
+def _run(module: nnx.Module, base: type, layer: _Layer, args: tuple, kwargs: dict) -> Any:
+    """`base.__call__(module, *args, **kwargs)` as `layer` says: in its name scopes (so
+    operations carry NNX module paths in their name stacks as Linen's do: `precision_report`,
+    the float32 check and the precision debugger name layers by them), its inputs cast, as a
+    recomputed float32 island, or with its own Params cast to its compute dtype."""
+    if layer.inputs is not None:
+        args, kwargs = layer.inputs.cast_to_compute((args, kwargs))
+    with contextlib.ExitStack() as scopes:
+        for name in layer.scope:
+            scopes.enter_context(jax.named_scope(name))
+        note_matmul_layer(module, module_path(_jaxpr.current_name_stack()), args)
+        if layer.recompute is not None:
+            cast, back_to = layer.recompute
+            return _recomputed(module, base, cast, back_to, args, kwargs)
+        with _own_params_cast(module, layer.own_params):
+            out = base.__call__(module, *args, **kwargs)
+        if layer.inputs is None and args:  # not an island itself
+            out = block_keeps_its_dtype(args[0], out, layer.compute)
+        return out
+
+
+def _scoped_class(base: type, layer: _Layer) -> type:
+    """A subclass of `base` whose calls run as `layer` says (`_run`). Only the model's
+    copies made inside the wrapper's call (`nnx.merge` of its graph, `_copy_for_call`) are
+    given it: the user's modules keep their classes."""
+
+    def __call__(self, *args, **kwargs):
+        return _run(self, base, layer, args, kwargs)
+
+    return type(
+        base.__name__,
+        (base,),
+        {
+            "__call__": __call__,
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            SCOPED_FROM: base,
+        },
+    )
+
+
 class _AtUse:
-    """The model's `autocast.cast_at_use` programs, one per graph (a static attribute)."""
+    """The model's `autocast.cast_at_use` programs, one per graph (static on the wrapper)."""
 
     def __init__(self, weights_in_float32: bool, accumulate: Any = None):
         self.programs = ByEquality()  # one per graph definition
         self.weights_in_float32 = weights_in_float32
         self.accumulate = accumulate
 
-    def call(self, model, scoped, args, kwargs, check: bool = False):
-        """`scoped(model, *args, **kwargs)` with each weight cast where it is used, and the
-        model's state (batch statistics, RNG counts) updated as the call left it; `check`:
-        the program (traced once, the call's) checked for float32 matmuls first."""
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        program: Any = self.programs.get(
-            graphdef,
-            lambda: cast_at_use(
-                _functional(graphdef, scoped),
-                weights_in_float32=self.weights_in_float32,
-                accumulate_dtype=self.accumulate,
-            ),
-        )
-        if check:
-            _check(program.traced_program(params, rest, args, kwargs))
-        out, state = program(params, rest, args, kwargs)
-        nnx.update(model, state)
-        return out
 
+class MixedPrecision(nnx.Module):
+    """An NNX model run under a policy (what `mixed_precision` returns); call it like the
+    model, train it with `nnx.Optimizer(wrapped, tx, wrt=nnx.Param)`.
 
-def _checked_call(model, scoped, args, kwargs):
-    """`scoped(model, *args, **kwargs)` traced once: the program checked for float32
-    matmuls and evaluated for the call (not run again), the model's state updated as the
-    call left it."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    program, result = traced_once(_functional(graphdef, scoped), params, rest, args, kwargs)
-    _check(program)
-    out, state = result()
-    nnx.update(model, state)
-    return out
+    Attributes:
+      model: the wrapped model (the user's object): its layers compute in their policies'
+        dtypes, its Params are stored in `param_dtype`, and its state tree is the float32
+        model's (a checkpoint of the float32 model loads into it:
+        `nnx.update(wrapped.model, state)`).
+    """
 
+    def __init__(self, model: nnx.Module, root: Policy, layers: tuple, at_use: _AtUse | None):
+        self.model = model
+        self.policy = nnx.static(root)
+        self.decisions = nnx.static(layers)  # ((path, _Layer, class or None), ...)
+        self.checked = nnx.static(_Once())
+        self.at_use = nnx.static(at_use)
 
-def _functional(graphdef: Any, scoped: Any) -> Any:
-    """`scoped` as a function of the model's weights and other state: `(params, rest, args,
-    kwargs) -> (out, the state besides weights as the call left it)`."""
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        policy = self.policy
+        args, kwargs = policy.cast_to_compute((args, kwargs))
+        key = signature((args, kwargs))
+        # The first call with each signature runs the model once: the program it traces
+        # serves the float32-matmul check and the call.
+        check = policy.compute_dtype != jnp.float32 and key not in self.checked.seen
+        self.checked.seen.add(key)
+        graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
+        run = self._functional(graphdef)
+        with warning_if_head_in_low_precision():
+            at_use = self.at_use
+            if at_use is not None:
+                program: Any = at_use.programs.get(
+                    graphdef,
+                    lambda: cast_at_use(
+                        run,
+                        weights_in_float32=at_use.weights_in_float32,
+                        accumulate_dtype=at_use.accumulate,
+                    ),
+                )
+                if check:
+                    _check(program.traced_program(params, rest, args, kwargs))
+                out, state = program(params, rest, args, kwargs)
+            elif check:
+                traced, result = traced_once(run, params, rest, args, kwargs)
+                _check(traced)
+                out, state = result()
+            else:
+                out, state = run(params, rest, args, kwargs)
+        nnx.update(self.model, state)
+        return policy.cast_to_output(out)
 
-    def run(params, rest, args, kwargs):
-        inner = nnx.merge(graphdef, params, rest)
-        out = scoped(inner, *args, **kwargs)
-        return out, nnx.split(inner, nnx.Param, ...)[2]
+    def _functional(self, graphdef: Any) -> Any:
+        """The model's call as a function of its weights and other state: `(params, rest,
+        args, kwargs) -> (out, the state besides weights as the call left it)`, run on a
+        copy of the model whose modules run as `mixed_precision` decided (`_run`)."""
+        layers = self.decisions
+        root_layer = next(layer for path, layer, _ in layers if not path)
 
-    return run
+        def run(params, rest, args, kwargs):
+            inner = nnx.merge(graphdef, params, rest)
+            classes = {path: cls for path, _, cls in layers if cls is not None}
+            for path, node in nnx.iter_graph(inner):
+                cls = classes.get(tuple(str(p) for p in path))
+                if cls is not None and isinstance(node, nnx.Module):
+                    node.__class__ = cls  # the call's own copy, not the user's module
+            out = _run(inner, type(inner), root_layer, args, kwargs)
+            return out, nnx.split(inner, nnx.Param, ...)[2]
+
+        return run
 
 
 def _check(program: Any) -> None:
@@ -120,67 +210,6 @@ def _check(program: Any) -> None:
 
 def _has_call(cls: type) -> bool:
     return any("__call__" in vars(k) for k in cls.__mro__[:-1])
-
-
-def _subclass(cls: type, role: str) -> type:
-    """`cls` with a `__call__` that runs in the module's name scope ("scoped"), or that
-    also casts inputs and outputs by policy and checks for float32 matmuls ("root").
-
-    The scope is the module's attribute path relative to its parent (e.g.
-    `layers/0`), so operations carry NNX module paths in their name stacks as
-    Linen's do: `precision_report`, the float32 check and the precision debugger
-    name layers by them.
-    """
-    base = getattr(cls, "_jmp_policy_base", cls)
-    if (base, role) not in _CLASSES:
-
-        def scoped(self, *args, **kwargs):
-            island = getattr(self, "_jmp_policy_recompute", None)
-            inputs = getattr(self, "_jmp_policy_inputs", None)
-            if inputs is not None:
-                args, kwargs = inputs.cast_to_compute((args, kwargs))
-            with contextlib.ExitStack() as scopes:
-                for name in self._jmp_policy_scope:
-                    scopes.enter_context(jax.named_scope(name))
-                note_matmul_layer(self, module_path(_jaxpr.current_name_stack()), args)
-                if island is not None:
-                    cast, back_to = island
-                    return _recomputed(self, base, cast, back_to, args, kwargs)
-                with _own_params_cast(self):
-                    out = base.__call__(self, *args, **kwargs)
-                if inputs is None and args:  # not an island itself
-                    out = block_keeps_its_dtype(args[0], out, self._jmp_policy_compute)
-                return out
-
-        def root(self, *args, **kwargs):
-            policy = self._jmp_policy_root
-            args, kwargs = policy.cast_to_compute((args, kwargs))
-            key = signature((args, kwargs))
-            # The first call with each signature runs the model once: the program it traces
-            # serves the float32-matmul check and the call.
-            check = policy.compute_dtype != jnp.float32 and key not in self._jmp_policy_checked.seen
-            self._jmp_policy_checked.seen.add(key)
-            with warning_if_head_in_low_precision():
-                if self._jmp_policy_at_use is not None:
-                    out = self._jmp_policy_at_use.call(self, scoped, args, kwargs, check)
-                elif check:
-                    out = _checked_call(self, scoped, args, kwargs)
-                else:
-                    out = scoped(self, *args, **kwargs)
-            return policy.cast_to_output(out)
-
-        _CLASSES[(base, role)] = type(
-            base.__name__,
-            (base,),
-            {
-                "__call__": root if role == "root" else scoped,
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "__doc__": base.__doc__,
-                "_jmp_policy_base": base,
-            },
-        )
-    return _CLASSES[(base, role)]
 
 
 def mixed_precision(
@@ -192,19 +221,24 @@ def mixed_precision(
     accumulate_dtype: Any = None,
     fp8_scaling: Any = "tensorwise",
 ) -> nnx.Module:
-    """Applies `policy` to an NNX model in place, and returns it.
+    """`model` run under `policy`: a `MixedPrecision` wrapper to call and train.
 
     Every submodule with a `dtype` attribute (Flax's layers: Linear, Conv,
     Embed, LayerNorm, BatchNorm, MultiHeadAttention and its projections, ...)
-    computes in the compute dtype of the policy it falls under; parameters are
-    cast to that policy's `param_dtype` (a no-op for float32 master weights);
-    the model's `__call__` casts its floating inputs to the compute dtype and
-    its outputs to `output_dtype`; attention modules that use Flax's default
-    attention get `attention_with_float32_softmax`. Works with `nnx.jit`,
-    `nnx.grad` and `nnx.Optimizer`; gradients arrive in `param_dtype`.
+    computes in the compute dtype of the policy it falls under (its `dtype` is
+    set); parameters are cast to that policy's `param_dtype` (a no-op for
+    float32 master weights); attention modules that use Flax's default
+    attention get `attention_with_float32_softmax`. Those fields are all that
+    changes on the user's modules. The wrapper casts the floating inputs to the
+    compute dtype and the outputs to `output_dtype`, and runs each call on its
+    own copy of the model (`nnx.merge` of its graph), whose modules run in
+    name scopes of their paths and as the policy's float32 islands. Works with
+    `nnx.jit`, `nnx.grad` and `nnx.Optimizer(wrapped, tx, wrt=nnx.Param)`;
+    gradients arrive in `param_dtype`.
 
     Args:
-      model: an `nnx.Module` (Flax's layers or your own).
+      model: an `nnx.Module` (Flax's layers or your own), or a `MixedPrecision`
+        wrapper, whose model then takes this policy instead.
       policy: e.g. `jmp_policy.get_policy("mixed_float16")`. Under a float8
         policy (`"mixed_float8"`) the model computes in bfloat16 and every
         `Linear`/`LinearGeneral` multiplies in float8
@@ -234,13 +268,12 @@ def mixed_precision(
         gradient, the next state; docs/fp8.md).
 
     Returns:
-      `model`, changed in place: its class becomes a subclass that casts at
-      the boundary and, on the first call with each input signature, warns
-      (`jmp_policy._reports.census.PrecisionWarning`) about matmuls/convs still in
-      float32 outside overrides; each submodule's class becomes a subclass
-      that runs it in a name scope of its attribute path (e.g.
-      `layers/0/attn`), so reports name NNX layers. An integer `dtype` (an
-      index dtype) is left as it is. The state tree is unchanged.
+      A `MixedPrecision` holding `model` (`wrapped.model`, its state tree
+      unchanged). On the first call with each input signature it warns
+      (`jmp_policy.errors.PrecisionWarning`) about matmuls/convs still in
+      float32 outside overrides. Operations carry the layers' attribute paths
+      (e.g. `layers/0/attn`) in their name stacks, so reports name NNX layers.
+      An integer `dtype` (an index dtype) is left as it is.
 
     Raises:
       TypeError: `model` is not an NNX module, or `policy`/`overrides` are malformed.
@@ -250,8 +283,8 @@ def mixed_precision(
       >>> from flax import nnx
       >>> import jmp_policy as jmp
       >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-      >>> model = jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
-      >>> model.dtype, model.kernel[...].dtype, model(jnp.ones((1, 4))).dtype
+      >>> wrapped = jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
+      >>> model.dtype, model.kernel[...].dtype, wrapped(jnp.ones((1, 4))).dtype
       (dtype(bfloat16), dtype('float32'), dtype('float32'))
     """
     if not isinstance(model, nnx.Module):
@@ -270,6 +303,8 @@ def mixed_precision(
 
         delayed = stacked_dot
 
+    if isinstance(model, MixedPrecision):  # a policy again: it replaces the one before
+        model = model.model
     modules = {
         tuple(str(p) for p in path): node
         for path, node in nnx.iter_graph(model)
@@ -277,6 +312,7 @@ def mixed_precision(
     }
     resolved: dict[tuple[str, ...], Policy] = {}
     scoped: set[tuple[str, ...]] = {()}  # modules whose calls open a name scope
+    decisions = []
     at_use = False  # a module computes in 16 bits: the float32 list in the model's own code
     weights_at_use = False  # a 16-bit module owns a weight: each matmul on it takes it in float32
     for path in sorted(modules, key=len):  # parents before children
@@ -290,15 +326,9 @@ def mixed_precision(
         island = casting_policy(resolved[path])
         outer = casting_policy(resolved.get(parent, policy))
         recompute = bool(path) and recomputes(module, NORMS_IN_FLOAT32, island, outer)
-        object.__setattr__(
-            module, "_jmp_policy_recompute", (island, outer.compute_dtype) if recompute else None
-        )
         # A module with its own override computing in another dtype than the model around it
         # gets its inputs cast to its compute dtype, as Linen's modules do.
         overridden = own is not None and island.compute_dtype != outer.compute_dtype
-        inputs = island if overridden and not recompute else None  # a recompute casts its own
-        object.__setattr__(module, "_jmp_policy_inputs", inputs)
-        object.__setattr__(module, "_jmp_policy_compute", island.compute_dtype)
         # A module of the user's that multiplies its own Params (`x @ self.w + self.b`, as
         # NNX's examples write layers) has no `dtype` to set: its Params are cast to the
         # compute dtype for its call (`_own_params_cast`), as Linen's `self.param`s are.
@@ -308,11 +338,6 @@ def mixed_precision(
         # Under a float8 policy too, a layer without a `dtype` multiplies in bfloat16, the
         # policy's dtype for what float8 does not take (as Linen's `self.param`s are cast).
         sixteen = island.compute_dtype.itemsize == 2
-        object.__setattr__(
-            module,
-            "_jmp_policy_own_params",
-            island.compute_dtype if own_params and sixteen else None,
-        )
         weights_at_use = weights_at_use or (reduce_dtype is not None and half and owns_params)
         at_use = at_use or island.compute_dtype.itemsize == 2  # float8's compute in bfloat16
         # The scope continues the nearest scoped ancestor's: containers without a
@@ -321,30 +346,33 @@ def mixed_precision(
         scope = ["/".join(path[len(above) :])] if path else []
         if own is not None and casting_policy(own).compute_dtype == jnp.float32:
             scope.append(FLOAT32_ISLAND)
-        object.__setattr__(module, "_jmp_policy_scope", tuple(scope))
+        layer = _Layer(
+            scope=tuple(scope),
+            compute=island.compute_dtype,
+            inputs=island if overridden and not recompute else None,  # a recompute casts its own
+            recompute=(island, outer.compute_dtype) if recompute else None,
+            own_params=island.compute_dtype if own_params and sixteen else None,
+        )
+        cls = None
         if path and _has_call(type(module)):
-            module.__class__ = _subclass(type(module), "scoped")
+            cls = _scoped_class(type(module), layer)
             scoped.add(path)
+        decisions.append((path, layer, cls))
     rules.warn_unmatched()
-    object.__setattr__(model, "_jmp_policy_root", casting_policy(resolved[()]))
-    object.__setattr__(model, "_jmp_policy_checked", _Once())
     # The model runs under `autocast.cast_at_use`: the float32 list holds in its own code
     # (segment sums, exp, log: `jmp_policy._core.rules.FLOAT32`), each matmul or conv on a
     # weight takes it in float32 (its gradient made in float32), and each 16-bit matmul
     # returns its sum in `accumulate_dtype`.
     at_use_program = _AtUse(weights_at_use, accumulate_dtype) if at_use else None
-    object.__setattr__(model, "_jmp_policy_at_use", at_use_program)
-    model.__class__ = _subclass(type(model), "root")
-    return model
+    return MixedPrecision(model, casting_policy(resolved[()]), tuple(decisions), at_use_program)
 
 
 @contextlib.contextmanager
-def _own_params_cast(module: nnx.Module) -> Iterator[None]:
-    """During one call of `module`: its own floating Params hold their values cast to the
-    compute dtype (`_jmp_policy_own_params`); the stored values are put back after it. Under
+def _own_params_cast(module: nnx.Module, dtype: Any) -> Iterator[None]:
+    """During one call of `module`: its own floating Params hold their values cast to
+    `dtype` (None: as they are); the stored values are put back after it. Under
     `autocast.cast_at_use` (the model's call) a matmul on such a cast takes the float32 value
     and casts inside (`jmp_policy.matmul`), so the weight's gradient is made in float32."""
-    dtype = getattr(module, "_jmp_policy_own_params", None)
     if dtype is None:
         yield
         return
@@ -414,6 +442,7 @@ _ABSENT = object()
 
 __all__ = [
     "NORMS_IN_FLOAT32",
+    "MixedPrecision",
     "attention_with_float32_softmax",
     "mixed_precision",
     "revert_if_skipped",

@@ -363,6 +363,6 @@ def test_every_integration_multiplies_in_the_block_format(mode):
         bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(eqx.filter(grads, eqx.is_array))
     )
     # Another policy takes the block-scaled matmul away again.
-    assert model.layers[0].dot_general.fmt == mode
-    jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
-    assert not isinstance(model.layers[0].dot_general, Fp8DotGeneral)
+    assert model.model.layers[0].dot_general.fmt == mode
+    model = jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
+    assert not isinstance(model.model.layers[0].dot_general, Fp8DotGeneral)

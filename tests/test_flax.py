@@ -251,7 +251,7 @@ def test_nnx_optimizer_with_loss_scaling_and_parity():
         for _ in range(60):
             step(model, optimizer)
         reference = NNXClassifier(rngs=nnx.Rngs(0))
-        nnx.update(reference, nnx.state(model, nnx.Param))  # float32 evaluation
+        nnx.update(reference, nnx.state(model.model, nnx.Param))  # float32 evaluation
         losses[name] = float(
             optax.softmax_cross_entropy_with_integer_labels(reference(x), y).mean()
         )
@@ -270,13 +270,34 @@ def test_parameter_tree_unchanged_and_float32_checkpoint_loads():
 
     model = NNXClassifier(rngs=nnx.Rngs(0))
     before = nnx.state(model)
-    jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
-    after = nnx.state(model)
+    mixed = jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_bfloat16"))
+    assert mixed.model is model
+    after = nnx.state(mixed.model)
     assert jax.tree.structure(before) == jax.tree.structure(after)
     chex.assert_trees_all_equal(before, after)
     fresh = NNXClassifier(rngs=nnx.Rngs(1))
-    nnx.update(model, nnx.state(fresh))  # load a float32 model's state
-    assert model(x).dtype == F32
+    nnx.update(mixed.model, nnx.state(fresh))  # load a float32 model's state
+    chex.assert_trees_all_equal(nnx.state(mixed.model), nnx.state(fresh))
+    assert mixed(x).dtype == F32
+
+
+def test_nnx_policy_changes_no_class_and_sets_no_attribute_of_its_own():
+    """The user's modules keep their classes and gain no attribute: the policy sets only the
+    layers' own fields (`dtype`, `param_dtype`, `attention_fn`, `dot_general`), and the
+    wrapper it returns runs the model (before, every module's class was swapped for a scoped
+    subclass and seven `_jmp_policy_*` attributes were set on them)."""
+    x = jnp.ones((2, 5, 16))
+    model = NNXClassifier(rngs=nnx.Rngs(0))
+    modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
+    before = [(type(m), set(vars(m))) for m in modules]
+    overrides = {**jmp.nnx.NORMS_IN_FLOAT32, "head": jmp.get_policy("float32")}
+    mixed = jmp.nnx.mixed_precision(model, jmp.get_policy("mixed_float16"), overrides)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))(mixed)
+    mixed(x)
+    assert jax.tree.leaves(grads) and jmp.precision_report(mixed, x).counts
+    assert [(type(m), set(vars(m))) for m in modules] == before
+    assert type(mixed).__module__ == "jmp_policy.nnx" and mixed.model is model
+    assert model.head.dtype == F32 and model.up.dtype == jnp.float16
 
 
 def test_bad_policy_and_module():
@@ -438,9 +459,10 @@ class _NNXStacked(nnx.Module):
 @third_party_promotion
 def test_nnx_stacked_layers_under_scan_vmap_remat():
     model = jmp.nnx.mixed_precision(_NNXStacked(nnx.Rngs(0)), jmp.get_policy("mixed_float16"))
-    assert model.blocks.lin.kernel[...].shape == (3, 8, 8)
-    assert model.blocks.lin.kernel[...].dtype == jnp.float32
-    assert (model.blocks.lin.dtype, model.blocks.norm.dtype) == (jnp.float16, jnp.float32)
+    assert model.model.blocks.lin.kernel[...].shape == (3, 8, 8)
+    assert model.model.blocks.lin.kernel[...].dtype == jnp.float32
+    blocks = model.model.blocks
+    assert (blocks.lin.dtype, blocks.norm.dtype) == (jnp.float16, jnp.float32)
     x = jax.random.normal(jax.random.key(3), (4, 8))
     assert model(x).dtype == jnp.float32
     tx = jmp.loss_scaling(optax.adam(1e-2), jmp.DynamicLossScale(2.0**10))
@@ -455,12 +477,12 @@ def test_nnx_stacked_layers_under_scan_vmap_remat():
 
         optimizer.update(model, nnx.grad(loss)(model))
 
-    before = model.blocks.lin.kernel[...]
+    before = model.model.blocks.lin.kernel[...]
     for _ in range(3):
         step(model, optimizer, x)
     report = jmp.loss_scaling_report(optimizer)
     assert (report.applied_steps, report.skipped_steps) == (3, 0)
-    assert not jnp.array_equal(before, model.blocks.lin.kernel[...])
+    assert not jnp.array_equal(before, model.model.blocks.lin.kernel[...])
 
 
 class _Runs:

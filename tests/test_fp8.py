@@ -543,10 +543,11 @@ def test_nnx_mixed_float8_puts_the_linear_layers_in_float8():
     by_hand = jmp.nnx.mixed_precision(
         Model(Fp8DotGeneral()), "mixed_bfloat16", reduce_dtype=None
     )  # a float8 policy leaves its layers' gradients to float8's dot
-    assert model.up.kernel[...].dtype == jnp.float32 and model.up.dtype == jnp.bfloat16
-    assert isinstance(model.up.dot_general, Fp8DotGeneral)
-    assert model.head.dot_general is jax.lax.dot_general  # left out by name
-    assert isinstance(by_hand.up.dot_general, Fp8DotGeneral)  # the user's own stays
+    up = model.model.up
+    assert up.kernel[...].dtype == jnp.float32 and up.dtype == jnp.bfloat16
+    assert isinstance(up.dot_general, Fp8DotGeneral)
+    assert model.model.head.dot_general is jax.lax.dot_general  # left out by name
+    assert isinstance(by_hand.model.up.dot_general, Fp8DotGeneral)  # the user's own stays
 
     @nnx.jit
     def value_and_grad(model):
@@ -557,8 +558,8 @@ def test_nnx_mixed_float8_puts_the_linear_layers_in_float8():
     assert _dot_dtypes(lambda x: model(x), x) == {"float8_e4m3fn": 2, "bfloat16": 1}
     # Moved back to bfloat16, the layers get lax.dot_general again: no hook of Flax's is
     # filled for a 16-bit matmul (the model's call casts each weight inside its matmul).
-    jmp.nnx.mixed_precision(model, "mixed_bfloat16")
-    assert model.up.dot_general is jax.lax.dot_general
+    model = jmp.nnx.mixed_precision(model, "mixed_bfloat16")  # the wrapper's model, again
+    assert model.model.up.dot_general is jax.lax.dot_general
     assert _dot_dtypes(lambda x: model(x), x) == {"bfloat16": 3}
 
 

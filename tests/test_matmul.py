@@ -420,8 +420,8 @@ def test_nnx_conv_transpose_makes_float32_gradients_and_keeps_its_state(reduce_d
     out = nnx.jit(lambda m, x: m(x))(model, x)
     chex.assert_trees_all_equal(out, nnx.jit(lambda m, x: m(x))(plain, x))
     chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), nnx.state(plain, nnx.BatchStat))
-    assert float(jnp.abs(model.norm.mean[...]).max()) > 0
-    assert model.norm.mean[...].dtype == jnp.float32
+    assert float(jnp.abs(model.model.norm.mean[...]).max()) > 0
+    assert model.model.norm.mean[...].dtype == jnp.float32
     grads = nnx.grad(lambda m, x: m(x).astype(jnp.float32).sum())(model, x)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
 

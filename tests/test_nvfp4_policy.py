@@ -507,7 +507,7 @@ def test_nnx_layers_stacked_by_vmap_and_run_by_scan_take_a_state_per_layer(polic
     scaling = RECIPE if policy == "mixed_nvfp4" else "delayed"
     model = jmp.nnx.mixed_precision(_NnxStack(nnx.Rngs(0)), policy, fp8_scaling=scaling)
     x = jax.random.normal(jax.random.key(1), (16, 32))
-    state = nnx.state(model.layers.up.dot_general)
+    state = nnx.state(model.model.layers.up.dot_general)
     leading = {leaf.shape[0] for leaf in jax.tree.leaves(state)}
     assert leading == {3}  # each leaf stacked over the 3 layers
     graphdef, params = nnx.split(model)
@@ -518,9 +518,9 @@ def test_nnx_layers_stacked_by_vmap_and_run_by_scan_take_a_state_per_layer(polic
     tx = jmp.loss_scaling(optax.sgd(1e-3), jmp.NoOpLossScale())
     updates, _ = tx.update(jax.jit(jax.grad(loss))(params), tx.init(params), params)
     written = nnx.merge(graphdef, optax.apply_updates(params, updates))
-    stacked = written.layers.up.dot_general.state.get_value()
+    stacked = written.model.layers.up.dot_general.state.get_value()
     if policy == "mixed_nvfp4":
-        old = model.layers.up.dot_general.state.get_value()
+        old = model.model.layers.up.dot_general.state.get_value()
         assert len({tuple(k) for k in np.asarray(old.key)}) == 3  # no two layers draw alike
         for i in range(3):
             layer = jax.tree.map(lambda a: a[i], old)  # noqa: B023

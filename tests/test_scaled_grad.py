@@ -108,7 +108,7 @@ def test_nnx_optimizer():
 
     values = [float(step(model, optimizer)) for _ in range(40)]
     assert values[-1] < 0.05 * values[0], values[::10]
-    assert model.kernel[...].dtype == jnp.float32
+    assert model.model.kernel[...].dtype == jnp.float32
     assert jmp.loss_scaling_report(optimizer).skipped_steps == 0
 
 

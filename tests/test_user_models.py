@@ -262,7 +262,8 @@ def test_nnx_keeps_integer_dtypes_names_paths_and_warns_once():
     model = jmp.nnx.mixed_precision(
         NNXModel(nnx.Rngs(0)), jmp.get_policy("mixed_float16"), overrides
     )
-    assert model.layers[0].dtype == jnp.int32 and model.layers[0].linear.dtype == jnp.float16
+    layer = model.model.layers[0]
+    assert layer.dtype == jnp.int32 and layer.linear.dtype == jnp.float16
     x = jnp.ones((2, 8))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,10 +1,10 @@
 """Module paths in name stacks for NNX and Equinox models, while a program is traced.
 
 Linen modules put their paths in every operation's name stack; NNX modules and Equinox modules
-do not (unless `nnx.mixed_precision` scoped them). Inside `module_names()`, every call of an
-NNX or Equinox module runs in a `jax.named_scope` of its path: the outermost module called is a
-root, named by its class (as Linen names its root), and every module inside it by its attribute
-or field path relative to it (`Transformer/layers/0/attn`). A module rebuilt inside a
+do not (unless `nnx.mixed_precision`'s wrapper scoped them). Inside `module_names()`, every call
+of an NNX or Equinox module runs in a `jax.named_scope` of its path: the outermost module called
+is a root, named by its class (as Linen names its root), and every module inside it by its
+attribute or field path relative to it (`Transformer/layers/0/attn`). A module rebuilt inside a
 transform (a scan or vmap body, e.g. `nnx.scan` over layers `nnx.vmap` made) is named by the
 path of the one module of its class below its caller, the one it was rebuilt from (the path
 `overrides` take); where there is no such single module, it is a root of its own, inside its
@@ -14,7 +14,8 @@ Calls are seen by the calling thread's profile function (`sys.setprofile`, per t
 the duration of the trace, and only then: no class is changed, and other threads' calls run as
 they are (`test_other_threads_call_modules_as_they_are_while_the_debugger_names_them`,
 tests/test_threads.py). The debugger and `precision_report` use it, nothing in a train step
-does. Scoped subclasses given to the instances instead (as `nnx.mixed_precision` does) would
+does. Scoped subclasses given to the instances instead (as `nnx.mixed_precision`'s wrapper gives
+its own copy of a model's modules) would
 name only the modules among the arguments: not those NNX's functional pattern builds inside the
 function (`nnx.merge(graphdef, state)` with the graph definition closed over, the State the
 argument: `test_nnx_layers_are_named_by_attribute_path[split-merge]`), nor a model the function
@@ -39,6 +40,9 @@ import jax
 _STATE = threading.local()
 _UNSAFE = re.compile(r"[^\w.\-]")
 _LIBRARIES = ("equinox", "flax")
+SCOPED_FROM = "_jmp_policy_scoped_from"
+"""The class attribute (naming the user's class) of the classes `nnx.mixed_precision`'s wrapper
+gives its own copy of a model's modules for a call: their calls open their own scopes."""
 
 
 def active() -> bool:
@@ -145,8 +149,8 @@ def _entering(frame: Any) -> None:
     stack = _STATE.stack
     if stack and stack[-1].module is module:  # super().__call__: already in its scope
         return
-    if hasattr(module, "_jmp_policy_scope") and not hasattr(module, "_jmp_policy_root"):
-        return  # scoped by `nnx.mixed_precision` already
+    if SCOPED_FROM in vars(type(module)):
+        return  # the copy `nnx.mixed_precision`'s wrapper runs: it opens its own scopes
     outer = stack[-1].path if stack else ()
     path = _known_path(module)
     if path is None:
