@@ -86,6 +86,34 @@ def test_eight_threads_get_the_single_threaded_results_and_leave_every_class_as_
     assert all(after[cls] is own for cls, own in before.items())
 
 
+def test_the_nnx_policy_from_eight_threads_gets_the_single_threaded_results():
+    """One `nnx.mixed_precision` model called, reported and debugged from 8 threads at once:
+    each call runs on its own copy of the model's graph, so each gets what it gets alone, and
+    the user's modules keep their classes."""
+    model = _NnxMLP(nnx.Rngs(0))
+    wrapped = jmp.nnx.mixed_precision(model, "mixed_float16")
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    before = _own_calls()
+
+    def calls(_):
+        debug = jmp.debug_precision(lambda m, x: m(x), wrapped, x)
+        report = jmp.precision_report(wrapped, x)
+        return (
+            tuple((s.layer, s.direction, s.count, s.amax) for s in debug.layers),
+            tuple(sorted((k, tuple(sorted(v.items()))) for k, v in report.counts.items())),
+            np.asarray(nnx.jit(lambda m, x: m(x))(wrapped, x)).tobytes(),
+        )
+
+    alone = calls(None)
+    assert {"_NnxMLP/first", "_NnxMLP/second"} <= {layer for layer, *_ in alone[0]}, alone[0]
+    assert dict(alone[1])["dot_general"] == (("float16", 2),)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(calls, range(16)))
+    assert all(r == alone for r in results), [r == alone for r in results]
+    assert _own_calls() == before
+    assert type(model) is _NnxMLP and type(model.first) is nnx.Linear
+
+
 def test_naming_changes_no_class_and_no_other_threads_profile_and_puts_back_the_callers():
     """While a thread names module calls, every class keeps its own `__call__` (nothing
     process-wide is patched), another thread's profile function is its own, and the caller's
