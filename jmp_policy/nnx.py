@@ -104,9 +104,9 @@ def _run(module: nnx.Module, base: type, layer: _Layer, args: tuple, kwargs: dic
 
 
 def _scoped_class(base: type, layer: _Layer) -> type:
-    """A subclass of `base` whose calls run as `layer` says (`_run`). Only the model's
-    copies made inside the wrapper's call (`nnx.merge` of its graph, `_copy_for_call`) are
-    given it: the user's modules keep their classes."""
+    """A subclass of `base` whose calls run as `layer` says (`_run`). Only the copy of the
+    model the wrapper makes for a call (`nnx.merge` of its graph, `MixedPrecision._functional`)
+    is given it: the user's modules keep their classes."""
 
     def __call__(self, *args, **kwargs):
         return _run(self, base, layer, args, kwargs)
@@ -196,7 +196,7 @@ class MixedPrecision(nnx.Module):
             classes = {path: cls for path, _, cls in layers if cls is not None}
             for path, node in nnx.iter_graph(inner):
                 cls = classes.get(tuple(str(p) for p in path))
-                if cls is not None and isinstance(node, nnx.Module):
+                if cls is not None and type(node) is vars(cls)[SCOPED_FROM]:
                     node.__class__ = cls  # the call's own copy, not the user's module
             out = _run(inner, type(inner), root_layer, args, kwargs)
             return out, nnx.split(inner, nnx.Param, ...)[2]
@@ -205,7 +205,7 @@ class MixedPrecision(nnx.Module):
 
 
 def _check(program: Any) -> None:
-    warn_float32_matmuls(program, "jmp_policy.nnx.mixed_precision", stacklevel=5)
+    warn_float32_matmuls(program, "jmp_policy.nnx.mixed_precision", stacklevel=4)
 
 
 def _has_call(cls: type) -> bool:

@@ -275,6 +275,10 @@ def test_nnx_keeps_integer_dtypes_names_paths_and_warns_once():
         str(w.message) for w in caught if issubclass(w.category, jmp.errors.PrecisionWarning)
     ]
     assert len(messages) == 1, messages
+    # It points at the line that called the model (a lambda of this file's).
+    assert [w.filename for w in caught if issubclass(w.category, jmp.errors.PrecisionWarning)] == [
+        __file__
+    ]
     assert "layers/0: an operand is cast from float16" in messages[0]
     assert "layers/1: an operand is cast from float16" in messages[0]
     # The report names layers as the precision debugger prints them (the root's class first;
