@@ -15,11 +15,11 @@ the duration of the trace, and only then: no class is changed, and other threads
 they are (`test_other_threads_call_modules_as_they_are_while_the_debugger_names_them`,
 tests/test_threads.py). The debugger and `precision_report` use it, nothing in a train step
 does. Scoped subclasses given to the instances instead (as `nnx.mixed_precision`'s wrapper gives
-its own copy of a model's modules) would
-name only the modules among the arguments: not those NNX's functional pattern builds inside the
-function (`nnx.merge(graphdef, state)` with the graph definition closed over, the State the
-argument: `test_nnx_layers_are_named_by_attribute_path[split-merge]`), nor a model the function
-closes over. Every call passes through the thread's profile function. Modules are recognised by
+its own copy of a model's modules) would name only the modules among the arguments: not those
+NNX's functional pattern builds inside the function (`nnx.merge(graphdef, state)` with the graph
+definition closed over, the State the argument:
+`test_nnx_layers_are_named_by_attribute_path[split-merge]`), nor a model the function closes
+over. Every call passes through the thread's profile function. Modules are recognised by
 identity (a list of the ones met, searched with `is`), not by a table of their `id()`s.
 
 `module_path` reads the module path a name stack names (Linen's, or these scopes), as the
