@@ -220,7 +220,7 @@ def mixed_precision(
     reduce_dtype: Any = jnp.float32,
     accumulate_dtype: Any = None,
     fp8_scaling: Any = "tensorwise",
-) -> nnx.Module:
+) -> MixedPrecision:
     """`model` run under `policy`: a `MixedPrecision` wrapper to call and train.
 
     Every submodule with a `dtype` attribute (Flax's layers: Linear, Conv,
