@@ -144,10 +144,18 @@ class MixedPrecision(nnx.Module):
         `nnx.update(wrapped.model, state)`).
     """
 
-    def __init__(self, model: nnx.Module, root: Policy, layers: tuple, at_use: _AtUse | None):
+    def __init__(
+        self,
+        model: nnx.Module,
+        policy: Policy,
+        root: _Layer,
+        classes: tuple[tuple[tuple[str, ...], type], ...],
+        at_use: _AtUse | None,
+    ):
         self.model = model
-        self.policy = nnx.static(root)
-        self.decisions = nnx.static(layers)  # ((path, _Layer, class or None), ...)
+        self.policy = nnx.static(policy)
+        self.root = nnx.static(root)  # how the model's own call runs
+        self.classes = nnx.static(classes)  # (path, `_scoped_class`) for each submodule's call
         self.checked = nnx.static(_Once())
         self.at_use = nnx.static(at_use)
 
@@ -188,17 +196,15 @@ class MixedPrecision(nnx.Module):
         """The model's call as a function of its weights and other state: `(params, rest,
         args, kwargs) -> (out, the state besides weights as the call left it)`, run on a
         copy of the model whose modules run as `mixed_precision` decided (`_run`)."""
-        layers = self.decisions
-        root_layer = next(layer for path, layer, _ in layers if not path)
+        root, classes = self.root, dict(self.classes)
 
         def run(params, rest, args, kwargs):
             inner = nnx.merge(graphdef, params, rest)
-            classes = {path: cls for path, _, cls in layers if cls is not None}
             for path, node in nnx.iter_graph(inner):
                 cls = classes.get(tuple(str(p) for p in path))
                 if cls is not None and type(node) is vars(cls)[SCOPED_FROM]:
                     node.__class__ = cls  # the call's own copy, not the user's module
-            out = _run(inner, type(inner), root_layer, args, kwargs)
+            out = _run(inner, type(inner), root, args, kwargs)
             return out, nnx.split(inner, nnx.Param, ...)[2]
 
         return run
@@ -312,7 +318,8 @@ def mixed_precision(
     }
     resolved: dict[tuple[str, ...], Policy] = {}
     scoped: set[tuple[str, ...]] = {()}  # modules whose calls open a name scope
-    decisions = []
+    layers: dict[tuple[str, ...], _Layer] = {}
+    classes = []  # (path, `_scoped_class`) for each submodule with a call of its own
     at_use = False  # a module computes in 16 bits: the float32 list in the model's own code
     weights_at_use = False  # a 16-bit module owns a weight: each matmul on it takes it in float32
     for path in sorted(modules, key=len):  # parents before children
@@ -353,18 +360,19 @@ def mixed_precision(
             recompute=(island, outer.compute_dtype) if recompute else None,
             own_params=island.compute_dtype if own_params and sixteen else None,
         )
-        cls = None
+        layers[path] = layer
         if path and _has_call(type(module)):
-            cls = _scoped_class(type(module), layer)
+            classes.append((path, _scoped_class(type(module), layer)))
             scoped.add(path)
-        decisions.append((path, layer, cls))
     rules.warn_unmatched()
     # The model runs under `autocast.cast_at_use`: the float32 list holds in its own code
     # (segment sums, exp, log: `jmp_policy._core.rules.FLOAT32`), each matmul or conv on a
     # weight takes it in float32 (its gradient made in float32), and each 16-bit matmul
     # returns its sum in `accumulate_dtype`.
     at_use_program = _AtUse(weights_at_use, accumulate_dtype) if at_use else None
-    return MixedPrecision(model, casting_policy(resolved[()]), tuple(decisions), at_use_program)
+    return MixedPrecision(
+        model, casting_policy(resolved[()]), layers[()], tuple(classes), at_use_program
+    )
 
 
 @contextlib.contextmanager
