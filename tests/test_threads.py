@@ -89,10 +89,15 @@ def test_eight_threads_get_the_single_threaded_results_and_leave_every_class_as_
 def test_the_nnx_policy_from_eight_threads_gets_the_single_threaded_results():
     """One `nnx.mixed_precision` model called, reported and debugged from 8 threads at once:
     each call runs on its own copy of the model's graph, so each gets what it gets alone, and
-    the user's modules keep their classes."""
+    the user's modules keep their classes. The jitted call is traced from the wrapper's state
+    (`nnx.split` once, `nnx.merge` inside `jax.jit`), not by `nnx.jit(f)(wrapped, x)`: Flax's
+    `nnx.jit` writes its module arguments back in place after each call, so concurrent
+    `nnx.jit` calls on one module race inside Flax itself (with a bare `nnx.Linear` too: a
+    thread finds the module emptied, `AttributeError: ... '_pytree__state'`)."""
     model = _NnxMLP(nnx.Rngs(0))
     wrapped = jmp.nnx.mixed_precision(model, "mixed_float16")
     x = jax.random.normal(jax.random.key(1), (4, 8))
+    graphdef, state = nnx.split(wrapped)
     before = _own_calls()
 
     def calls(_):
@@ -101,7 +106,7 @@ def test_the_nnx_policy_from_eight_threads_gets_the_single_threaded_results():
         return (
             tuple((s.layer, s.direction, s.count, s.amax) for s in debug.layers),
             tuple(sorted((k, tuple(sorted(v.items()))) for k, v in report.counts.items())),
-            np.asarray(nnx.jit(lambda m, x: m(x))(wrapped, x)).tobytes(),
+            np.asarray(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)).tobytes(),
         )
 
     alone = calls(None)
