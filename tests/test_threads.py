@@ -93,7 +93,7 @@ def test_the_nnx_policy_from_eight_threads_gets_the_single_threaded_results():
     (`nnx.split` once, `nnx.merge` inside `jax.jit`), not by `nnx.jit(f)(wrapped, x)`: Flax's
     `nnx.jit` writes its module arguments back in place after each call, so concurrent
     `nnx.jit` calls on one module race inside Flax itself (with a bare `nnx.Linear` too: a
-    thread finds the module emptied, `AttributeError: ... '_pytree__state'`)."""
+    thread finds it emptied, `AttributeError: 'Linear' object has no attribute 'kernel'`)."""
     model = _NnxMLP(nnx.Rngs(0))
     wrapped = jmp.nnx.mixed_precision(model, "mixed_float16")
     x = jax.random.normal(jax.random.key(1), (4, 8))
