@@ -318,7 +318,7 @@ def mixed_precision(
     }
     resolved: dict[tuple[str, ...], Policy] = {}
     scoped: set[tuple[str, ...]] = {()}  # modules whose calls open a name scope
-    layers: dict[tuple[str, ...], _Layer] = {}
+    root: _Layer | None = None  # how the model's own call runs
     classes = []  # (path, `_scoped_class`) for each submodule with a call of its own
     at_use = False  # a module computes in 16 bits: the float32 list in the model's own code
     weights_at_use = False  # a 16-bit module owns a weight: each matmul on it takes it in float32
@@ -346,7 +346,7 @@ def mixed_precision(
         # policy's dtype for what float8 does not take (as Linen's `self.param`s are cast).
         sixteen = island.compute_dtype.itemsize == 2
         weights_at_use = weights_at_use or (reduce_dtype is not None and half and owns_params)
-        at_use = at_use or island.compute_dtype.itemsize == 2  # float8's compute in bfloat16
+        at_use = at_use or sixteen  # float8's compute in bfloat16
         # The scope continues the nearest scoped ancestor's: containers without a
         # `__call__` (nnx.List, nnx.Dict) open none, so their names go here.
         above = max((p for p in scoped if path[: len(p)] == p), key=len)
@@ -360,8 +360,9 @@ def mixed_precision(
             recompute=(island, outer.compute_dtype) if recompute else None,
             own_params=island.compute_dtype if own_params and sixteen else None,
         )
-        layers[path] = layer
-        if path and _has_call(type(module)):
+        if not path:
+            root = layer
+        elif _has_call(type(module)):
             classes.append((path, _scoped_class(type(module), layer)))
             scoped.add(path)
     rules.warn_unmatched()
@@ -370,9 +371,8 @@ def mixed_precision(
     # weight takes it in float32 (its gradient made in float32), and each 16-bit matmul
     # returns its sum in `accumulate_dtype`.
     at_use_program = _AtUse(weights_at_use, accumulate_dtype) if at_use else None
-    return MixedPrecision(
-        model, casting_policy(resolved[()]), layers[()], tuple(classes), at_use_program
-    )
+    assert root is not None  # the model itself is among `modules` (path ())
+    return MixedPrecision(model, casting_policy(resolved[()]), root, tuple(classes), at_use_program)
 
 
 @contextlib.contextmanager
