@@ -93,7 +93,7 @@ def pytest_runtest_teardown(item, nextitem):
     # collections, which a trace's many short-lived cycles set off, then scan only what the
     # tests since made, not every program traced and compiled before in this worker. Measured
     # by `gc.callbacks` on test_nvfp4_policy.py and test_float8_reports.py in one process: full
-    # collections took 5.6 s of 100 s; with this, the suite's three heaviest files ran 6-7%
+    # collections took 5.6 s of 100 s; with this, those two and test_activations.py ran 6-7%
     # faster under `-n 2` (89.1 s -> 83.6 s, 83.2 s -> 76.9 s), at the same peak memory. The
     # cost: a frozen object that a cycle keeps is never freed once unreachable (what tests
     # leave alive is mostly JAX's caches, which live to the end).
