@@ -821,12 +821,13 @@ def test_the_loss_scales_growth_does_not_clip_the_gradients(grad_margin, clips):
     params, fp8_state, _, _ = _docs_delayed_model(recipe, seed=1)
     tx = jmp.loss_scaling(optax.adam(1e-3), jmp.DynamicLossScale(2.0**10, period=3))
     opt_state = tx.init(params)
-    worst = []
     x, y = _batch(0)  # one batch: what changes between steps is the loss scale
-    for _ in range(12):
+
+    @jax.jit  # one program for the twelve steps, not each operation compiled on its own
+    def step(params, fp8_state, opt_state):
         scale = jmp.get_loss_scale(opt_state)
 
-        def scaled(params, fp8_state, scale=scale, x=x, y=y):
+        def scaled(params, fp8_state):
             def layer(h, weights_and_state):
                 w, state = weights_and_state
                 h, state = fp8_dot_general_delayed(h, w, MATMUL, state, recipe)
@@ -842,7 +843,13 @@ def test_the_loss_scales_growth_does_not_clip_the_gradients(grad_margin, clips):
         params = optax.apply_updates(params, updates)
         fp8_state = next_state(new_state, state_grads, recipe)
         # The amax this step's gradient had, at the scale it was quantized with.
-        worst.append(float(jnp.max(fp8_state.grad.amax_history[:, 0] * fp8_state.grad.scale)))
+        worst = jnp.max(fp8_state.grad.amax_history[:, 0] * fp8_state.grad.scale)
+        return params, fp8_state, opt_state, worst
+
+    worst = []
+    for _ in range(12):
+        params, fp8_state, opt_state, amax = step(params, fp8_state, opt_state)
+        worst.append(float(amax))
     assert float(jmp.get_loss_scale(opt_state).loss_scale) > 2.0**10  # it grew
     assert (max(worst[2:]) > fp8_max(E5M2)) == clips, worst
     if clips:

@@ -417,9 +417,12 @@ def test_linen_nn_scan_stacks_the_state_with_the_parameters():
     def loss(v):
         return optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x), y).mean()
 
-    grads = jax.grad(loss)(variables)
-    updates, _ = tx.update(grads, opt_state, variables)
-    variables = optax.apply_updates(variables, updates)
+    @jax.jit  # one program, not each operation compiled on its own
+    def step(variables, opt_state):
+        updates, _ = tx.update(jax.grad(loss)(variables), opt_state, variables)
+        return optax.apply_updates(variables, updates)
+
+    variables = step(variables, opt_state)
     stacked = _only_states(variables["fp8_state"]["ScanBlock_0"])
     assert len(stacked) == 2 and stacked[0].lhs.scale.shape == (3,)
     for state in stacked:

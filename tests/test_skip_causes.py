@@ -282,10 +282,11 @@ def test_spike_states_are_data_under_vmap_and_tree_map():
     tx, params, state, _ = _spiky(warmup=1)
     states = jax.tree.map(lambda *x: jnp.stack(x), state, state)
     both = jax.tree.map(lambda *x: jnp.stack(x), params, params)
+    update = jax.jit(jax.vmap(tx.update))  # one program, not each operation on its own
     grads = jax.tree.map(lambda *x: jnp.stack(x), _grads(1.0), _grads(1.0))
-    _, states = jax.vmap(tx.update)(grads, states, both)
+    _, states = update(grads, states, both)
     spiky = jax.tree.map(lambda *x: jnp.stack(x), _grads(1.0), _grads(50.0))
-    _, states = jax.vmap(tx.update)(spiky, states, both)
+    _, states = update(spiky, states, both)
     assert states.last_step_skipped.tolist() == [False, True]  # each member decides alone
     assert isinstance(states.spike_stats, jmp.scaling.SpikeStats)
 
