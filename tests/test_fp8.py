@@ -843,8 +843,8 @@ def test_the_loss_scales_growth_does_not_clip_the_gradients(grad_margin, clips):
         params = optax.apply_updates(params, updates)
         fp8_state = next_state(new_state, state_grads, recipe)
         # The amax this step's gradient had, at the scale it was quantized with.
-        worst = jnp.max(fp8_state.grad.amax_history[:, 0] * fp8_state.grad.scale)
-        return params, fp8_state, opt_state, worst
+        amax = jnp.max(fp8_state.grad.amax_history[:, 0] * fp8_state.grad.scale)
+        return params, fp8_state, opt_state, amax
 
     worst = []
     for _ in range(12):
