@@ -47,6 +47,8 @@ for _flag, _value in (
 # reuse a program another one compiled. Nothing is reused across runs. Every program is
 # cached, the small ones too: the eager operations that every worker and subprocess compiles
 # again add up (the suite: 415.0 s with a 0.2 s floor; 401.7 s with none and 7 more tests).
+# JAX compresses what it writes with zstd where zstandard is installed (the test extra), else
+# with zlib: the suite's writes took 18.2 s of CPU in all, against 22.8 s with zlib.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jmp_policy_xla_")
